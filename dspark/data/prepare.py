@@ -1,0 +1,216 @@
+"""The prepare stage: evaluation prompt set, then on-policy training shards.
+
+1. Build the evaluation prompts of every category and write them (the evaluate stage reads them).
+2. Walk the training sources, drop any prompt whose content hash is an evaluation prompt's, apply
+   the chat template, and skip prompts longer than `prepare.max_prompt_tokens`.
+3. Shard by shard: the target regenerates `regenerate_fraction` of the answers (batched), the
+   rest keep the dataset's answer; the loss mask covers the response tokens only.
+Finished shards are skipped on a rerun, so an interrupted run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dspark.config import Params
+from dspark.data import shards as shard_io
+from dspark.data.eval_sources import build_eval_prompts
+from dspark.data.generate import generate_batch
+from dspark.data.prompts import Prompt, read_prompt_file, write_prompt_file
+from dspark.data.train_sources import iter_training_prompts
+from dspark.errors import DataError
+from dspark.io import ensure_writable_dir
+from dspark.metrics import EventLog
+from dspark.models.target import Target, read_manifest
+
+
+@dataclass(frozen=True)
+class PreparePaths:
+    target: Path
+    shards: Path
+    eval_prompts: Path
+    events: Path | None = None
+
+
+def long_context_tokens(params: Params, target: Target) -> int:
+    """As long as the target's context allows after max_new_tokens and one draft block."""
+    if params.data.long_context_tokens:
+        return params.data.long_context_tokens
+    reserve = params.evaluate.max_new_tokens["long_context"] + params.train.dspark.block_size
+    return target.max_context - reserve
+
+
+def build_eval_set(params: Params, target: Target, user_file: Path | None = None) -> list[Prompt]:
+    if user_file is not None:
+        return read_prompt_file(user_file)
+    def count(text: str) -> int:
+        return len(target.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return build_eval_prompts(
+        params.data.eval_counts, params.data.seed, count_tokens=count,
+        long_context_tokens=long_context_tokens(params, target),
+    )
+
+
+def _regenerates(seed: int, prompt_id: str, fraction: float) -> bool:
+    digest = hashlib.sha256(f"regen:{seed}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+@dataclass
+class _Candidate:
+    prompt: Prompt
+    prompt_ids: list[int]
+
+
+def _candidates(params: Params, target: Target, banned: set[str], stats: dict
+                ) -> Iterator[_Candidate]:
+    seen: set[str] = set()
+    for prompt in iter_training_prompts(params.data.train_sources, params.data.seed):
+        h = prompt.content_hash
+        if h in banned:
+            stats["skipped_eval_overlap"] += 1
+            continue
+        if h in seen:
+            stats["skipped_duplicate"] += 1
+            continue
+        seen.add(h)
+        ids = target.chat_ids(list(prompt.messages))
+        if len(ids) > params.prepare.max_prompt_tokens:
+            stats["skipped_too_long"] += 1
+            continue
+        yield _Candidate(prompt, ids)
+
+
+def _responses(params: Params, target: Target, batch: list[_Candidate], shard: int
+               ) -> tuple[list[list[int]], int]:
+    """Responses in batch order, and how many were regenerated."""
+    cfg = params.prepare
+    regen = [i for i, c in enumerate(batch)
+             if c.prompt.reference is None or _regenerates(cfg.seed, c.prompt.id,
+                                                            cfg.regenerate_fraction)]
+    out: list[list[int] | None] = [None] * len(batch)
+    # Similar lengths together: less left padding per generate call.
+    regen.sort(key=lambda i: len(batch[i].prompt_ids))
+    for start in range(0, len(regen), cfg.batch_size):
+        rows = regen[start:start + cfg.batch_size]
+        generated = generate_batch(
+            target, [batch[i].prompt_ids for i in rows], max_new_tokens=cfg.max_new_tokens,
+            sampling=cfg.sampling, seed=cfg.seed * 100_003 + shard * 1009 + start,
+        )
+        for i, ids in zip(rows, generated, strict=True):
+            out[i] = ids
+    for i, c in enumerate(batch):
+        if out[i] is None:
+            kept = target.tokenizer(c.prompt.reference, add_special_tokens=False)["input_ids"]
+            out[i] = [*kept[: cfg.max_new_tokens - 1], target.eos_token_id]
+    return out, len(regen)  # type: ignore[return-value]
+
+
+def prepare(params: Params, target: Target, paths: PreparePaths, *,
+            eval_file: Path | None = None, progress: bool = True) -> dict:
+    """Run the stage; return its metrics."""
+    cfg = params.prepare
+    t0 = time.perf_counter()
+    ensure_writable_dir(paths.shards)
+    eval_prompts = build_eval_set(params, target, eval_file)
+    write_prompt_file(paths.eval_prompts, eval_prompts)
+    banned = {p.content_hash for p in eval_prompts}
+
+    stats = dict.fromkeys(("skipped_eval_overlap", "skipped_duplicate", "skipped_too_long"), 0)
+    candidates = _candidates(params, target, banned, stats)
+    events = EventLog(paths.events)
+    fingerprint = _fingerprint(params, paths.target)
+    entries: list[dict] = []
+    sample_id = tokens = reused_shards = gen_tokens = 0
+    gen_seconds = 0.0
+    target_n = cfg.num_samples or 10**12
+    bar = tqdm(total=cfg.num_samples, desc="prepare", unit="sample", disable=not progress)
+    while sample_id < target_n and (cfg.token_budget is None or tokens < cfg.token_budget):
+        want = min(cfg.shard_size, target_n - sample_id)
+        batch = [c for _, c in zip(range(want), candidates, strict=False)]
+        if not batch:
+            break
+        index = len(entries)
+        path = paths.shards / shard_io.shard_name(index)
+        existing = _finished_shard(path, batch, sample_id, fingerprint)
+        if existing is not None:
+            entries.append(existing)
+            reused_shards += 1
+        else:
+            t_gen = time.perf_counter()
+            responses, n_regen = _responses(params, target, batch, index)
+            gen_seconds += time.perf_counter() - t_gen
+            samples = []
+            for offset, (c, response) in enumerate(zip(batch, responses, strict=True)):
+                ids = torch.tensor(c.prompt_ids + response, dtype=torch.int32)
+                mask = torch.zeros(ids.numel(), dtype=torch.bool)
+                mask[len(c.prompt_ids):] = True
+                samples.append(shard_io.TokenSample(sample_id + offset, c.prompt.id, ids, mask))
+                gen_tokens += len(response)
+            entries.append(shard_io.write_shard(path, samples, regenerated=n_regen,
+                                                fingerprint=fingerprint))
+        sample_id += entries[-1]["samples"]
+        tokens += entries[-1]["tokens"]
+        bar.update(entries[-1]["samples"])
+        events.log(index, samples=sample_id, tokens=tokens,
+                   gen_tok_s=gen_tokens / gen_seconds if gen_seconds else 0.0)
+    bar.close()
+    if not entries:
+        raise DataError("data.train_sources: no usable training prompts")
+    _drop_stale_shards(paths.shards, len(entries))
+    manifest = shard_io.write_manifest(paths.shards, entries, {
+        "target": read_manifest(paths.target).get("source"),
+        "eval_prompts": len(eval_prompts),
+        "chat_template": "target",
+    })
+    return {
+        "num_samples": manifest["num_samples"],
+        "num_tokens": manifest["num_tokens"],
+        "response_tokens": manifest["response_tokens"],
+        "regenerated": manifest["regenerated"],
+        "kept_from_dataset": manifest["num_samples"] - manifest["regenerated"],
+        "reused_shards": reused_shards,
+        "eval_prompts": len(eval_prompts),
+        **stats,
+        "gen_tok_s": round(gen_tokens / gen_seconds, 2) if gen_seconds else None,
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def _fingerprint(params: Params, target_dir: Path) -> str:
+    """What a shard's content depends on besides its prompts: a changed param redoes it."""
+    basis = {"prepare": params.prepare.model_dump(), "data": params.data.model_dump(),
+             "target": read_manifest(target_dir)}
+    return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _finished_shard(path: Path, batch: list[_Candidate], first_id: int, fingerprint: str
+                    ) -> dict | None:
+    """The manifest entry of a shard an earlier run finished for exactly this batch, if any."""
+    if not path.exists():
+        return None
+    try:
+        entry = shard_io.shard_entry(path)
+        prompt_ids = [s.prompt_id for s in shard_io.read_shard(path)]
+    except DataError:
+        return None
+    if (prompt_ids != [c.prompt.id for c in batch] or entry["first_sample_id"] != first_id
+            or entry["fingerprint"] != fingerprint):
+        return None
+    return entry
+
+
+def _drop_stale_shards(folder: Path, keep: int) -> None:
+    """Shards past the end of this run (left by a larger earlier run) are not part of it."""
+    for path in folder.glob("shard-*.safetensors"):
+        if int(path.stem.split("-")[1]) >= keep:
+            path.unlink()

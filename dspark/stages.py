@@ -1,0 +1,154 @@
+"""The stage registry: the one list from which the CLI subcommands, dvc.yaml and the Prefect
+flows are derived, so the three cannot drift apart.
+
+A stage is one library call with its params sections, its inputs and outputs (paths relative to
+the repo root) and one metrics file. The chain grows as stages land; none is faked.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark.config import Params
+from dspark.metrics import write_metrics
+
+TARGET_DIR = "artifacts/target"
+PLAN = "artifacts/plan.json"
+SHARDS = "artifacts/shards"
+EVAL_PROMPTS = "artifacts/prompts/eval.jsonl"
+EVENTS_DIR = "logs/events"
+RUN_SUMMARY = "metrics/run.json"
+
+
+@dataclass(frozen=True)
+class StageContext:
+    params: Params
+    root: Path
+    progress: bool = True
+    prompts_file: Path | None = None  # a user's JSONL prompts, where the stage reads prompts
+
+    def path(self, rel: str) -> Path:
+        return self.root / rel
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    help: str
+    run: Callable[[StageContext], dict]
+    params: tuple[str, ...]  # params.yaml sections the stage reads (DVC needs them in the file)
+    deps: tuple[str, ...]  # code and data it reads
+    outs: tuple[str, ...]  # what it writes, cached by DVC
+    persist: bool = False  # keep outs across reruns: the stage resumes from what it finished
+    plots: tuple[str, ...] = field(default=())
+
+    @property
+    def metrics(self) -> str:
+        return f"metrics/{self.name}.json"
+
+    @property
+    def events(self) -> str:
+        return f"{EVENTS_DIR}/{self.name}.jsonl"
+
+
+def _provision(ctx: StageContext) -> dict:
+    from dspark.provision import provision
+
+    return provision(ctx.params, ctx.path(TARGET_DIR), ctx.path(PLAN), ctx.root)
+
+
+def _prepare(ctx: StageContext) -> dict:
+    from dspark.data.prepare import PreparePaths, prepare
+    from dspark.models.target import load_target, set_threads
+
+    set_threads(ctx.params.provision.threads)
+    target = load_target(ctx.path(TARGET_DIR), ctx.params.target.dtype,
+                         ctx.params.target.max_context)
+    paths = PreparePaths(target=ctx.path(TARGET_DIR), shards=ctx.path(SHARDS),
+                         eval_prompts=ctx.path(EVAL_PROMPTS), events=ctx.path(EVENTS_DIR) /
+                         "prepare.jsonl")
+    return prepare(ctx.params, target, paths, eval_file=ctx.prompts_file, progress=ctx.progress)
+
+
+# Every stage's result depends on the active profile and its overlay as well as its sections.
+PROFILE_KEYS = ("profile", "profiles")
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        name="provision",
+        help="resolve the target, check resources, write the plan",
+        run=_provision,
+        params=("target", "provision", "prepare", "extract"),
+        deps=("dspark/provision.py", "dspark/models/target.py", "dspark/packages.py"),
+        outs=(TARGET_DIR, PLAN),
+    ),
+    Stage(
+        name="prepare",
+        help="build eval prompts and on-policy training shards",
+        run=_prepare,
+        # evaluate (max_new_tokens) and train (block_size) set the long-context prompt length.
+        params=("data", "prepare", "target", "evaluate", "train"),
+        deps=(TARGET_DIR, "dspark/data", "evals/data/tools.json"),
+        outs=(SHARDS, "artifacts/prompts"),
+        persist=True,
+    ),
+)
+
+BY_NAME = {s.name: s for s in STAGES}
+
+
+def get(name: str) -> Stage:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown stage {name!r} (known: {', '.join(BY_NAME)})") from None
+
+
+def run_stage(stage: Stage, ctx: StageContext) -> dict:
+    """Run one stage and write its metrics file (the convention's stamp included)."""
+    t0 = time.perf_counter()
+    result = stage.run(ctx)
+    result["wall_s"] = round(time.perf_counter() - t0, 2)
+    return write_metrics(ctx.path(stage.metrics), ctx.params.profile, result)
+
+
+def write_run_summary(root: Path, profile: str, cached: dict[str, bool] | None = None) -> dict:
+    """metrics/run.json: each stage's wall time for the profile that ran."""
+    stages = {}
+    for stage in STAGES:
+        path = root / stage.metrics
+        if not path.is_file():
+            continue
+        doc = json.loads(path.read_text())
+        if doc.get("profile") != profile:
+            continue
+        stages[stage.name] = {"wall_s": doc.get("wall_s"), "created_at": doc.get("created_at")}
+        if cached is not None:
+            stages[stage.name]["cached"] = bool(cached.get(stage.name))
+    total = round(sum(s["wall_s"] or 0 for s in stages.values()), 2)
+    return write_metrics(root / RUN_SUMMARY, profile, {"stages": stages, "total_wall_s": total})
+
+
+def dvc_yaml() -> str:
+    """dvc.yaml, derived from STAGES (`dspark dvc-yaml` writes it; a test checks it is current)."""
+    import yaml
+
+    stages = {}
+    for s in STAGES:
+        entry: dict = {
+            "cmd": f"dspark {s.name}",
+            "deps": list(s.deps),
+            "params": [*PROFILE_KEYS, *s.params],
+            "outs": [{o: {"persist": True}} if s.persist else o for o in s.outs],
+            "metrics": [{s.metrics: {"cache": False}}],
+        }
+        if s.plots:
+            entry["plots"] = [{p: {"cache": False}} for p in s.plots]
+        stages[s.name] = entry
+    doc = {"stages": stages, "metrics": [RUN_SUMMARY]}
+    header = "# Generated from dspark/stages.py by `dspark dvc-yaml`: edit the registry, not this.\n"
+    return header + yaml.safe_dump(doc, sort_keys=False, width=100)

@@ -1,0 +1,1 @@
+"""Prefect tasks: thin wrappers over dspark, where retries, tracking and lineage live."""

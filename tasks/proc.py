@@ -1,0 +1,69 @@
+"""Child processes that die with their flow run.
+
+Each child gets its own process group; whatever ends the caller (an exception, Prefect's
+cancellation, SIGTERM) ends the whole group, so no stage process outlives its flow run or keeps
+its ports.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+GRACE_S = 10.0
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run(cmd: list[str], *, cwd: Path, env: dict | None = None,
+        on_line: Callable[[str], None] | None = None,
+        every: Callable[[], None] | None = None, every_s: float = 2.0) -> tuple[int, str]:
+    """Run `cmd`, streaming its merged output to `on_line`; call `every` periodically.
+
+    Returns (exit code, full output).
+    """
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, bufsize=1,
+    )
+    lines: list[str] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(every_s):
+            every()
+
+    ticker = threading.Thread(target=tick, daemon=True) if every else None
+    try:
+        if ticker:
+            ticker.start()
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line:
+                on_line(line.rstrip("\n"))
+        proc.wait()
+    finally:
+        stop.set()
+        _kill_group(proc)
+        if ticker:
+            ticker.join(timeout=every_s + 1)
+    if every:
+        every()
+    return proc.returncode, "".join(lines)

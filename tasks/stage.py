@@ -1,0 +1,83 @@
+"""One stage, run through DVC (so Prefect and `dvc repro` agree) and recorded in MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.runtime import flow_run
+
+from dspark import stages
+from dspark.config import load_params
+from dspark.metrics import git_commit, read_events
+from tasks import proc
+from tasks.tracking import Tracker, dvc_lock_hashes
+
+BIN = Path(sys.executable).parent
+
+
+def tool_env() -> dict[str, str]:
+    """The environment's own executables (dvc, dspark) first on PATH."""
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+def dvc(args: list[str], root: Path, **kwargs) -> tuple[int, str]:
+    return proc.run([str(BIN / "dvc"), *args], cwd=root, env=tool_env(), **kwargs)
+
+
+def is_up_to_date(name: str, root: Path) -> bool:
+    rc, out = dvc(["status", "--json", name], root)
+    if rc != 0:
+        return False
+    try:
+        return json.loads(out.strip().splitlines()[-1] if out.strip() else "{}") == {}
+    except json.JSONDecodeError:
+        return False
+
+
+@task(name="stage", task_run_name="{name}")
+def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
+    root_path = Path(root)
+    logger = get_run_logger()
+    stage = stages.get(name)
+    params = load_params(root_path / "params.yaml", profile=profile)
+    tracker = Tracker(params, root_path)
+    cached = is_up_to_date(name, root_path)
+    run_id = tracker.start(name, parent=parent_run_id, tags={
+        "stage": name, "profile": profile, "git_commit": git_commit(root_path),
+        "prefect.flow_run_id": str(flow_run.get_id() or ""),
+    })
+    keys = stage.params
+    tracker.params(run_id, {k: v for k, v in params.flat().items()
+                            if any(k == p or k.startswith(p + ".") for p in keys)})
+    events_path = root_path / stage.events
+    offset = 0
+
+    def follow() -> None:
+        nonlocal offset
+        events, offset = read_events(events_path, offset)
+        for e in events:
+            tracker.metrics(run_id, e["metrics"], step=e["step"],
+                            timestamp_ms=int(e["time"] * 1000))
+
+    ok = False
+    try:
+        if not cached:
+            events_path.unlink(missing_ok=True)
+        rc, out = dvc(["repro", "--single-item", name], root_path,
+                      on_line=logger.info, every=None if cached else follow)
+        if rc != 0:
+            tail = " | ".join(out.strip().splitlines()[-3:])
+            raise RuntimeError(f"stage {name} failed (dvc repro exit {rc}): {tail}")
+        cached = cached or "from run-cache" in out
+        doc = json.loads((root_path / stage.metrics).read_text())
+        tracker.metrics(run_id, doc)
+        tracker.tags(run_id, {"cached": str(cached).lower(), **dvc_lock_hashes(root_path, name)})
+        tracker.artifact(run_id, root_path / stage.metrics)
+        ok = True
+        return {"stage": name, "cached": cached, "run_id": run_id, "metrics": doc}
+    finally:
+        tracker.finish(run_id, ok)

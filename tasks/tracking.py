@@ -1,0 +1,113 @@
+"""MLflow at the edge: one parent run per pipeline run, one nested child run per stage.
+
+Uses MlflowClient with explicit run ids (not the fluent, thread-local active run), so it behaves
+the same inside Prefect's task threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+from dspark.config import Params
+
+PARENT_TAG = "mlflow.parentRunId"
+RUN_NAME_TAG = "mlflow.runName"
+MAX_BATCH = 900
+
+
+def tracking_uri(params: Params, root: Path) -> str:
+    """MLFLOW_TRACKING_URI, else params' store; a relative sqlite path is from the repo root."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.mlflow_uri
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
+        uri = prefix + str((root / uri[len(prefix):]).resolve())
+    return uri
+
+
+class Tracker:
+    def __init__(self, params: Params, root: Path):
+        self.root = root
+        self.client = MlflowClient(tracking_uri=tracking_uri(params, root))
+        exp = self.client.get_experiment_by_name(params.tracking.experiment)
+        if exp is None:
+            location = (root / params.tracking.artifact_root).resolve().as_uri()
+            self.experiment_id = self.client.create_experiment(
+                params.tracking.experiment, artifact_location=location)
+        else:
+            self.experiment_id = exp.experiment_id
+
+    def start(self, name: str, tags: dict[str, str], parent: str | None = None) -> str:
+        tags = {RUN_NAME_TAG: name, **tags}
+        if parent:
+            tags[PARENT_TAG] = parent
+        return self.client.create_run(self.experiment_id, tags=tags, run_name=name).info.run_id
+
+    def params(self, run_id: str, values: dict[str, Any]) -> None:
+        items = [Param(k, str(v)[:6000]) for k, v in values.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[i:i + 100])
+
+    def metrics(self, run_id: str, values: dict[str, Any], step: int = 0,
+                timestamp_ms: int | None = None) -> None:
+        import time
+
+        ts = timestamp_ms or int(time.time() * 1000)
+        items = [Metric(k, float(v), ts, step) for k, v in _numbers(values).items()]
+        for i in range(0, len(items), MAX_BATCH):
+            self.client.log_batch(run_id, metrics=items[i:i + MAX_BATCH])
+
+    def tags(self, run_id: str, values: dict[str, str]) -> None:
+        items = [RunTag(k, str(v)) for k, v in values.items()]
+        if items:
+            self.client.log_batch(run_id, tags=items)
+
+    def artifact(self, run_id: str, path: Path, folder: str | None = None) -> None:
+        if Path(path).is_file():
+            self.client.log_artifact(run_id, str(path), artifact_path=folder)
+
+    def finish(self, run_id: str, ok: bool) -> None:
+        self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+
+
+def _numbers(values: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Flatten nested dicts; keep real numbers (bools and strings are tags, not metrics)."""
+    out: dict[str, float] = {}
+    for k, v in values.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_numbers(v, key + "."))
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[key] = v
+    return out
+
+
+def dvc_lock_hashes(root: Path, stage: str) -> dict[str, str]:
+    """The DVC hashes of a stage's dependencies, from dvc.lock, as tags."""
+    import yaml
+
+    lock = root / "dvc.lock"
+    if not lock.is_file():
+        return {}
+    entry = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).get(stage, {})
+    tags = {}
+    for dep in entry.get("deps", []):
+        digest = dep.get("md5") or dep.get("hash") or ""
+        tags[f"dvc.dep.{dep['path']}"] = digest
+    for out in entry.get("outs", []):
+        tags[f"dvc.out.{out['path']}"] = out.get("md5") or out.get("hash") or ""
+    params = entry.get("params")
+    if params:
+        tags["dvc.params_sha256"] = _sha(json.dumps(params, sort_keys=True, default=str))
+    return tags
+
+
+def _sha(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
