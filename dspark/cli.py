@@ -17,8 +17,14 @@ EXIT_BAD_INPUT = 2
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     p.add_argument("--profile", help="profile to run (default: the file's `profile:`)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a dotted params key, e.g. --set prepare.num_samples=8")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a dotted params key, e.g. --set prepare.num_samples=8",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -36,15 +42,20 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(stage.name, help=stage.help)
         _common(p)
         if stage.name == "prepare":
-            p.add_argument("--prompts", type=Path, metavar="FILE",
-                           help="evaluation prompts from a JSONL file instead of the packages")
+            p.add_argument(
+                "--prompts",
+                type=Path,
+                metavar="FILE",
+                help="evaluation prompts from a JSONL file instead of the packages",
+            )
 
     r = sub.add_parser("run", help="the whole chain, in process (no Prefect, no DVC)")
     _common(r)
     r.add_argument("--prompts", type=Path, metavar="FILE", help="evaluation prompts (JSONL)")
 
-    s = sub.add_parser("serve", help="create the Prefect work pool and deployment dspark/full, "
-                                     "then run a worker")
+    s = sub.add_parser(
+        "serve", help="create the Prefect work pool and deployment dspark/full, then run a worker"
+    )
     s.add_argument("--pool", default="dspark", help="work pool name")
 
     d = sub.add_parser("dvc-yaml", help="write dvc.yaml from the stage registry")
@@ -63,8 +74,12 @@ def _run_stages(args: argparse.Namespace, names: list[str]) -> None:
 
     params = _load(args)
     root = Path.cwd()
-    ctx = stages.StageContext(params=params, root=root, progress=not args.no_progress,
-                              prompts_file=getattr(args, "prompts", None))
+    ctx = stages.StageContext(
+        params=params,
+        root=root,
+        progress=not args.no_progress,
+        prompts_file=getattr(args, "prompts", None),
+    )
     for name in names:
         doc = stages.run_stage(stages.get(name), ctx)
         print(f"{name}: done in {doc['wall_s']} s -> {stages.get(name).metrics}", file=sys.stderr)
@@ -81,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             from dspark.config import load_params, profile_names
 
             params = load_params(args.file, profile=args.profile)
-            print(f"{args.file}: ok (profiles: {', '.join(profile_names(args.file))}; "
-                  f"active: {params.profile})")
+            print(
+                f"{args.file}: ok (profiles: {', '.join(profile_names(args.file))}; "
+                f"active: {params.profile})"
+            )
         elif args.command == "run":
             from dspark.stages import STAGES
 
@@ -99,8 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.check:
                 current = Path("dvc.yaml").read_text() if Path("dvc.yaml").exists() else ""
                 if current != text:
-                    print("dvc.yaml: out of date with dspark/stages.py (run `dspark dvc-yaml`)",
-                          file=sys.stderr)
+                    print(
+                        "dvc.yaml: out of date with dspark/stages.py (run `dspark dvc-yaml`)",
+                        file=sys.stderr,
+                    )
                     return 1
             else:
                 write_text(Path("dvc.yaml"), text)

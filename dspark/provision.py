@@ -68,17 +68,26 @@ def estimate(params: Params, arch: dict) -> dict:
     """Bytes the run needs: memory at its peak, disk for what it keeps."""
     p, x = params.prepare, params.extract
     seq = p.max_prompt_tokens + p.max_new_tokens
-    kv_per_token = 2 * arch["num_layers"] * arch["num_kv_heads"] * arch["head_dim"] * \
-        DTYPE_BYTES[params.target.dtype]
+    kv_per_token = (
+        2
+        * arch["num_layers"]
+        * arch["num_kv_heads"]
+        * arch["head_dim"]
+        * DTYPE_BYTES[params.target.dtype]
+    )
     num_aux = len(x.aux_layers) if x.aux_layers else 3
-    wire = bytes_per_token(num_aux=num_aux, hidden=arch["hidden_size"], wire_dtype=x.wire_dtype,
-                           topk=x.topk_logits)
+    wire = bytes_per_token(
+        num_aux=num_aux, hidden=arch["hidden_size"], wire_dtype=x.wire_dtype, topk=x.topk_logits
+    )
     samples = p.num_samples or max(1, (p.token_budget or 0) // seq)
     tokens = samples * seq
     weight_bytes = arch["weight_bytes"] or 0
     # Each extraction worker holds its own copy of the target; generation holds one more.
-    peak_memory = weight_bytes * (x.workers + 1) + kv_per_token * seq * p.batch_size \
+    peak_memory = (
+        weight_bytes * (x.workers + 1)
+        + kv_per_token * seq * p.batch_size
         + x.max_in_flight * seq * wire
+    )
     disk = tokens * 5 + (tokens * wire if x.mode in ("offline", "hybrid") else 0) + weight_bytes
     return {
         "tokens": tokens,
@@ -90,8 +99,7 @@ def estimate(params: Params, arch: dict) -> dict:
     }
 
 
-def provision(params: Params, target_dir: Path, plan_path: Path, workdir: Path = Path(".")
-              ) -> dict:
+def provision(params: Params, target_dir: Path, plan_path: Path, workdir: Path = Path(".")) -> dict:
     """Run the stage; write the plan; return its metrics. Raises ResourceError on a shortfall."""
     t0 = time.perf_counter()
     ensure_writable_dir(Path(plan_path).parent)
@@ -105,9 +113,16 @@ def provision(params: Params, target_dir: Path, plan_path: Path, workdir: Path =
         need = estimate(params, arch)
         headroom = params.provision.memory_headroom
         checks = [
-            {"name": "memory", "need_bytes": int(need["peak_memory_bytes"] * headroom),
-             "have_bytes": have["memory_available_bytes"]},
-            {"name": "disk", "need_bytes": need["disk_bytes"], "have_bytes": have["disk_free_bytes"]},
+            {
+                "name": "memory",
+                "need_bytes": int(need["peak_memory_bytes"] * headroom),
+                "have_bytes": have["memory_available_bytes"],
+            },
+            {
+                "name": "disk",
+                "need_bytes": need["disk_bytes"],
+                "have_bytes": have["disk_free_bytes"],
+            },
             {"name": "cpus", "need": params.extract.workers, "have": have["cpus"]},
         ]
         for c in checks:
@@ -123,8 +138,9 @@ def provision(params: Params, target_dir: Path, plan_path: Path, workdir: Path =
         "estimate": need,
         "checks": checks,
         "placement": {
-            "inference_plane": [{"node": "local", "role": "extract", "processes":
-                                 params.extract.workers}],
+            "inference_plane": [
+                {"node": "local", "role": "extract", "processes": params.extract.workers}
+            ],
             "training_plane": [{"node": "local", "role": "train", "processes": 1}],
         },
     }
@@ -134,8 +150,10 @@ def provision(params: Params, target_dir: Path, plan_path: Path, workdir: Path =
         c = failed[0]
         need_s = _fmt(c.get("need_bytes"), c.get("need"))
         have_s = _fmt(c.get("have_bytes"), c.get("have"))
-        raise ResourceError(f"provision: {c['name']}: the profile needs {need_s}, the machine has "
-                            f"{have_s} (see {plan_path}; provision.on_shortfall: warn to proceed)")
+        raise ResourceError(
+            f"provision: {c['name']}: the profile needs {need_s}, the machine has "
+            f"{have_s} (see {plan_path}; provision.on_shortfall: warn to proceed)"
+        )
     return {
         "target_kind": manifest["kind"],
         "num_layers": arch.get("num_layers"),

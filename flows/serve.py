@@ -7,6 +7,7 @@ SIGTERM; the worker is stopped by PID.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -34,37 +35,54 @@ def ensure_pool(name: str) -> None:
 
 def deploy(pool: str) -> str:
     deployment = dspark.from_source(source=str(ROOT), entrypoint="flows/full.py:dspark")
-    return str(deployment.deploy(name="full", work_pool_name=pool, print_next_steps=False,
-                                 parameters={"profile": "default", "root": str(ROOT)},
-                                 concurrency_limit=1))
+    return str(
+        deployment.deploy(
+            name="full",
+            work_pool_name=pool,
+            print_next_steps=False,
+            parameters={"profile": "default", "root": str(ROOT)},
+            concurrency_limit=1,
+        )
+    )
 
 
 def main() -> int:
     ensure_pool(POOL)
     deployment_id = deploy(POOL)
-    print(f"deployment dspark/full ({deployment_id}) on work pool {POOL!r}; starting a worker",
-          flush=True)
+    print(
+        f"deployment dspark/full ({deployment_id}) on work pool {POOL!r}; starting a worker",
+        flush=True,
+    )
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", POOL,
-                               "--type", "process", "--limit", "1"], env=env, cwd=ROOT,
-                              start_new_session=True)
+    worker = subprocess.Popen(
+        [
+            str(BIN / "prefect"),
+            "worker",
+            "start",
+            "--pool",
+            POOL,
+            "--type",
+            "process",
+            "--limit",
+            "1",
+        ],
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
 
     def stop(signum, _frame):
         # The worker ignores SIGTERM for a while; SIGINT makes it shut down cleanly.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(worker.pid, signal.SIGINT)
-        except ProcessLookupError:
-            pass
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
         return worker.wait()
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(worker.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ its ports.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -15,6 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the flow process is killed outright (SIGKILL runs no
+    cleanup of ours). Linux only; elsewhere the group kill below is all there is."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -32,16 +44,29 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def run(cmd: list[str], *, cwd: Path, env: dict | None = None,
-        on_line: Callable[[str], None] | None = None,
-        every: Callable[[], None] | None = None, every_s: float = 2.0) -> tuple[int, str]:
+def run(
+    cmd: list[str],
+    *,
+    cwd: Path,
+    env: dict | None = None,
+    on_line: Callable[[str], None] | None = None,
+    every: Callable[[], None] | None = None,
+    every_s: float = 2.0,
+) -> tuple[int, str]:
     """Run `cmd`, streaming its merged output to `on_line`; call `every` periodically.
 
     Returns (exit code, full output).
     """
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, bufsize=1,
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        bufsize=1,
+        preexec_fn=_die_with_parent,
     )
     lines: list[str] = []
     stop = threading.Event()

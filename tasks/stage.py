@@ -46,13 +46,25 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
     params = load_params(root_path / "params.yaml", profile=profile)
     tracker = Tracker(params, root_path)
     cached = is_up_to_date(name, root_path)
-    run_id = tracker.start(name, parent=parent_run_id, tags={
-        "stage": name, "profile": profile, "git_commit": git_commit(root_path),
-        "prefect.flow_run_id": str(flow_run.get_id() or ""),
-    })
+    run_id = tracker.start(
+        name,
+        parent=parent_run_id,
+        tags={
+            "stage": name,
+            "profile": profile,
+            "git_commit": git_commit(root_path),
+            "prefect.flow_run_id": str(flow_run.get_id() or ""),
+        },
+    )
     keys = stage.params
-    tracker.params(run_id, {k: v for k, v in params.flat().items()
-                            if any(k == p or k.startswith(p + ".") for p in keys)})
+    tracker.params(
+        run_id,
+        {
+            k: v
+            for k, v in params.flat().items()
+            if any(k == p or k.startswith(p + ".") for p in keys)
+        },
+    )
     events_path = root_path / stage.events
     offset = 0
 
@@ -60,23 +72,30 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
         nonlocal offset
         events, offset = read_events(events_path, offset)
         for e in events:
-            tracker.metrics(run_id, e["metrics"], step=e["step"],
-                            timestamp_ms=int(e["time"] * 1000))
+            tracker.metrics(
+                run_id, e["metrics"], step=e["step"], timestamp_ms=int(e["time"] * 1000)
+            )
 
     ok = False
     try:
         if not cached:
             events_path.unlink(missing_ok=True)
-        rc, out = dvc(["repro", "--single-item", name], root_path,
-                      on_line=logger.info, every=None if cached else follow)
+        rc, out = dvc(
+            ["repro", "--single-item", name],
+            root_path,
+            on_line=logger.info,
+            every=None if cached else follow,
+        )
         if rc != 0:
             tail = " | ".join(out.strip().splitlines()[-3:])
             raise RuntimeError(f"stage {name} failed (dvc repro exit {rc}): {tail}")
-        cached = cached or "from run-cache" in out
+        cached = cached or "from run-cache" in out or "is cached - skipping" in out
         doc = json.loads((root_path / stage.metrics).read_text())
         tracker.metrics(run_id, doc)
         tracker.tags(run_id, {"cached": str(cached).lower(), **dvc_lock_hashes(root_path, name)})
         tracker.artifact(run_id, root_path / stage.metrics)
+        for rel in (stage.resolved, *stage.artifacts):
+            tracker.artifact(run_id, root_path / rel)
         ok = True
         return {"stage": name, "cached": cached, "run_id": run_id, "metrics": doc}
     finally:

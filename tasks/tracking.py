@@ -25,8 +25,8 @@ def tracking_uri(params: Params, root: Path) -> str:
     """MLFLOW_TRACKING_URI, else params' store; a relative sqlite path is from the repo root."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.mlflow_uri
     prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri[len(prefix):].startswith("/"):
-        uri = prefix + str((root / uri[len(prefix):]).resolve())
+    if uri.startswith(prefix) and not uri[len(prefix) :].startswith("/"):
+        uri = prefix + str((root / uri[len(prefix) :]).resolve())
     return uri
 
 
@@ -38,7 +38,8 @@ class Tracker:
         if exp is None:
             location = (root / params.tracking.artifact_root).resolve().as_uri()
             self.experiment_id = self.client.create_experiment(
-                params.tracking.experiment, artifact_location=location)
+                params.tracking.experiment, artifact_location=location
+            )
         else:
             self.experiment_id = exp.experiment_id
 
@@ -51,16 +52,17 @@ class Tracker:
     def params(self, run_id: str, values: dict[str, Any]) -> None:
         items = [Param(k, str(v)[:6000]) for k, v in values.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(run_id, params=items[i:i + 100])
+            self.client.log_batch(run_id, params=items[i : i + 100])
 
-    def metrics(self, run_id: str, values: dict[str, Any], step: int = 0,
-                timestamp_ms: int | None = None) -> None:
+    def metrics(
+        self, run_id: str, values: dict[str, Any], step: int = 0, timestamp_ms: int | None = None
+    ) -> None:
         import time
 
         ts = timestamp_ms or int(time.time() * 1000)
         items = [Metric(k, float(v), ts, step) for k, v in _numbers(values).items()]
         for i in range(0, len(items), MAX_BATCH):
-            self.client.log_batch(run_id, metrics=items[i:i + MAX_BATCH])
+            self.client.log_batch(run_id, metrics=items[i : i + MAX_BATCH])
 
     def tags(self, run_id: str, values: dict[str, str]) -> None:
         items = [RunTag(k, str(v)) for k, v in values.items()]

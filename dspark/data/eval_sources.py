@@ -425,7 +425,7 @@ def long_context(
                 break
         if used < budget * 0.9:
             raise DataError(f"{category}: not enough distinct text for {num_tokens} tokens")
-        body = "\n\n---\n\n".join(parts)
+        body = _fit(parts, ask, num_tokens, count_tokens)
         digest = hashlib.sha256("|".join(ids).encode()).hexdigest()[:10]
         out.append(
             Prompt(
@@ -436,6 +436,19 @@ def long_context(
             )
         )
     return out
+
+
+def _fit(parts: list[str], ask: str, num_tokens: int, count_tokens: Callable[[str], int]) -> str:
+    """Join the documents and trim the last one until the whole prompt is within budget
+    (token counts of joined text are not the sum of the parts' counts)."""
+    sep = "\n\n---\n\n"
+    while True:
+        body = sep.join(parts)
+        excess = count_tokens(body + ask) - num_tokens
+        if excess <= 0:
+            return body
+        last = _truncate_to_tokens(parts[-1], count_tokens(parts[-1]) - excess - 4, count_tokens)
+        parts = [*parts[:-1], last] if last else parts[:-1]
 
 
 def _truncate_to_tokens(text: str, budget: int, count_tokens: Callable[[str], int]) -> str:

@@ -26,12 +26,16 @@ def generate_batch(
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)  # [B, S]
     attention = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, S]
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        attention[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p)
+        attention[row, width - len(p) :] = 1
     gen_kwargs = {"do_sample": False}
     if not sampling.greedy:
-        gen_kwargs = {"do_sample": True, "temperature": sampling.temperature,
-                      "top_p": sampling.top_p, "top_k": 0}
+        gen_kwargs = {
+            "do_sample": True,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": 0,
+        }
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         out = target.model.generate(

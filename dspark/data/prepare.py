@@ -51,11 +51,14 @@ def long_context_tokens(params: Params, target: Target) -> int:
 def build_eval_set(params: Params, target: Target, user_file: Path | None = None) -> list[Prompt]:
     if user_file is not None:
         return read_prompt_file(user_file)
+
     def count(text: str) -> int:
         return len(target.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     return build_eval_prompts(
-        params.data.eval_counts, params.data.seed, count_tokens=count,
+        params.data.eval_counts,
+        params.data.seed,
+        count_tokens=count,
         long_context_tokens=long_context_tokens(params, target),
     )
 
@@ -71,8 +74,9 @@ class _Candidate:
     prompt_ids: list[int]
 
 
-def _candidates(params: Params, target: Target, banned: set[str], stats: dict
-                ) -> Iterator[_Candidate]:
+def _candidates(
+    params: Params, target: Target, banned: set[str], stats: dict
+) -> Iterator[_Candidate]:
     seen: set[str] = set()
     for prompt in iter_training_prompts(params.data.train_sources, params.data.seed):
         h = prompt.content_hash
@@ -90,21 +94,28 @@ def _candidates(params: Params, target: Target, banned: set[str], stats: dict
         yield _Candidate(prompt, ids)
 
 
-def _responses(params: Params, target: Target, batch: list[_Candidate], shard: int
-               ) -> tuple[list[list[int]], int]:
+def _responses(
+    params: Params, target: Target, batch: list[_Candidate], shard: int
+) -> tuple[list[list[int]], int]:
     """Responses in batch order, and how many were regenerated."""
     cfg = params.prepare
-    regen = [i for i, c in enumerate(batch)
-             if c.prompt.reference is None or _regenerates(cfg.seed, c.prompt.id,
-                                                            cfg.regenerate_fraction)]
+    regen = [
+        i
+        for i, c in enumerate(batch)
+        if c.prompt.reference is None
+        or _regenerates(cfg.seed, c.prompt.id, cfg.regenerate_fraction)
+    ]
     out: list[list[int] | None] = [None] * len(batch)
     # Similar lengths together: less left padding per generate call.
     regen.sort(key=lambda i: len(batch[i].prompt_ids))
     for start in range(0, len(regen), cfg.batch_size):
-        rows = regen[start:start + cfg.batch_size]
+        rows = regen[start : start + cfg.batch_size]
         generated = generate_batch(
-            target, [batch[i].prompt_ids for i in rows], max_new_tokens=cfg.max_new_tokens,
-            sampling=cfg.sampling, seed=cfg.seed * 100_003 + shard * 1009 + start,
+            target,
+            [batch[i].prompt_ids for i in rows],
+            max_new_tokens=cfg.max_new_tokens,
+            sampling=cfg.sampling,
+            seed=cfg.seed * 100_003 + shard * 1009 + start,
         )
         for i, ids in zip(rows, generated, strict=True):
             out[i] = ids
@@ -115,8 +126,14 @@ def _responses(params: Params, target: Target, batch: list[_Candidate], shard: i
     return out, len(regen)  # type: ignore[return-value]
 
 
-def prepare(params: Params, target: Target, paths: PreparePaths, *,
-            eval_file: Path | None = None, progress: bool = True) -> dict:
+def prepare(
+    params: Params,
+    target: Target,
+    paths: PreparePaths,
+    *,
+    eval_file: Path | None = None,
+    progress: bool = True,
+) -> dict:
     """Run the stage; return its metrics."""
     cfg = params.prepare
     t0 = time.perf_counter()
@@ -153,25 +170,34 @@ def prepare(params: Params, target: Target, paths: PreparePaths, *,
             for offset, (c, response) in enumerate(zip(batch, responses, strict=True)):
                 ids = torch.tensor(c.prompt_ids + response, dtype=torch.int32)
                 mask = torch.zeros(ids.numel(), dtype=torch.bool)
-                mask[len(c.prompt_ids):] = True
+                mask[len(c.prompt_ids) :] = True
                 samples.append(shard_io.TokenSample(sample_id + offset, c.prompt.id, ids, mask))
                 gen_tokens += len(response)
-            entries.append(shard_io.write_shard(path, samples, regenerated=n_regen,
-                                                fingerprint=fingerprint))
+            entries.append(
+                shard_io.write_shard(path, samples, regenerated=n_regen, fingerprint=fingerprint)
+            )
         sample_id += entries[-1]["samples"]
         tokens += entries[-1]["tokens"]
         bar.update(entries[-1]["samples"])
-        events.log(index, samples=sample_id, tokens=tokens,
-                   gen_tok_s=gen_tokens / gen_seconds if gen_seconds else 0.0)
+        events.log(
+            index,
+            samples=sample_id,
+            tokens=tokens,
+            gen_tok_s=gen_tokens / gen_seconds if gen_seconds else 0.0,
+        )
     bar.close()
     if not entries:
         raise DataError("data.train_sources: no usable training prompts")
     _drop_stale_shards(paths.shards, len(entries))
-    manifest = shard_io.write_manifest(paths.shards, entries, {
-        "target": read_manifest(paths.target).get("source"),
-        "eval_prompts": len(eval_prompts),
-        "chat_template": "target",
-    })
+    manifest = shard_io.write_manifest(
+        paths.shards,
+        entries,
+        {
+            "target": read_manifest(paths.target).get("source"),
+            "eval_prompts": len(eval_prompts),
+            "chat_template": "target",
+        },
+    )
     return {
         "num_samples": manifest["num_samples"],
         "num_tokens": manifest["num_tokens"],
@@ -188,13 +214,17 @@ def prepare(params: Params, target: Target, paths: PreparePaths, *,
 
 def _fingerprint(params: Params, target_dir: Path) -> str:
     """What a shard's content depends on besides its prompts: a changed param redoes it."""
-    basis = {"prepare": params.prepare.model_dump(), "data": params.data.model_dump(),
-             "target": read_manifest(target_dir)}
+    basis = {
+        "prepare": params.prepare.model_dump(),
+        "data": params.data.model_dump(),
+        "target": read_manifest(target_dir),
+    }
     return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _finished_shard(path: Path, batch: list[_Candidate], first_id: int, fingerprint: str
-                    ) -> dict | None:
+def _finished_shard(
+    path: Path, batch: list[_Candidate], first_id: int, fingerprint: str
+) -> dict | None:
     """The manifest entry of a shard an earlier run finished for exactly this batch, if any."""
     if not path.exists():
         return None
@@ -203,8 +233,11 @@ def _finished_shard(path: Path, batch: list[_Candidate], first_id: int, fingerpr
         prompt_ids = [s.prompt_id for s in shard_io.read_shard(path)]
     except DataError:
         return None
-    if (prompt_ids != [c.prompt.id for c in batch] or entry["first_sample_id"] != first_id
-            or entry["fingerprint"] != fingerprint):
+    if (
+        prompt_ids != [c.prompt.id for c in batch]
+        or entry["first_sample_id"] != first_id
+        or entry["fingerprint"] != fingerprint
+    ):
         return None
     return entry
 

@@ -3,7 +3,7 @@
 A user file has one JSON object a line, either
     {"category": "qa", "prompt": "What is ...?"}
 or  {"category": "qa", "messages": [{"role": "user", "content": "..."}, ...]}
-with an optional "id". Bad lines are reported with their line number.
+with optional "id" and "source". Bad lines are reported with their line number.
 """
 
 from __future__ import annotations
@@ -80,14 +80,15 @@ def parse_prompt_line(obj: object, where: str, categories: Iterable[str] | None)
         messages = user(obj["prompt"])
     else:
         messages = _check_messages(obj["messages"], where)
-    extra = set(obj) - {"category", "prompt", "messages", "id"}
+    extra = set(obj) - {"category", "prompt", "messages", "id", "source"}
     if extra:
         raise DataError(f"{where}: unknown field(s) {sorted(extra)}")
     pid = obj.get("id")
     pid = (
         str(pid) if pid is not None else f"{category}-{content_hash(messages[-1]['content'])[:12]}"
     )
-    return Prompt(id=pid, category=category, messages=messages, source=where.split(":")[0])
+    source = str(obj.get("source") or where.rsplit(":", 1)[0])
+    return Prompt(id=pid, category=category, messages=messages, source=source)
 
 
 def _check_messages(messages: object, where: str) -> tuple[dict, ...]:

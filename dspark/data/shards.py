@@ -47,8 +47,9 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
-def write_shard(path: Path, samples: list[TokenSample], *, regenerated: int,
-                fingerprint: str) -> dict:
+def write_shard(
+    path: Path, samples: list[TokenSample], *, regenerated: int, fingerprint: str
+) -> dict:
     """Write one shard atomically; return its manifest entry."""
     lengths = torch.tensor([0] + [s.input_ids.numel() for s in samples], dtype=torch.int64)
     tensors = {
@@ -57,10 +58,12 @@ def write_shard(path: Path, samples: list[TokenSample], *, regenerated: int,
         "offsets": torch.cumsum(lengths, 0),
         "sample_ids": torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
     }
-    meta = {"format_version": str(FORMAT_VERSION),
-            "prompt_ids": json.dumps([s.prompt_id for s in samples]),
-            "regenerated": str(regenerated),
-            "fingerprint": fingerprint}
+    meta = {
+        "format_version": str(FORMAT_VERSION),
+        "prompt_ids": json.dumps([s.prompt_id for s in samples]),
+        "regenerated": str(regenerated),
+        "fingerprint": fingerprint,
+    }
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
     return shard_entry(path)
@@ -92,16 +95,18 @@ def read_shard(path: Path, with_meta: bool = False):
     except Exception as e:  # safetensors raises its own error types for a corrupt header
         raise DataError(f"{path}: not a readable shard ({e})") from None
     if meta.get("format_version") != str(FORMAT_VERSION):
-        raise DataError(f"{path}: shard format {meta.get('format_version')!r}, "
-                        f"expected {FORMAT_VERSION}")
+        raise DataError(
+            f"{path}: shard format {meta.get('format_version')!r}, expected {FORMAT_VERSION}"
+        )
     prompt_ids = json.loads(meta.get("prompt_ids", "[]"))
     offsets = t["offsets"].tolist()
     if len(offsets) != len(prompt_ids) + 1 or offsets[-1] != t["input_ids"].numel():
         raise DataError(f"{path}: offsets do not match its tokens")
     samples = [
         TokenSample(int(sid), pid, t["input_ids"][a:b], t["loss_mask"][a:b])
-        for sid, pid, a, b in zip(t["sample_ids"].tolist(), prompt_ids, offsets[:-1], offsets[1:],
-                                  strict=True)
+        for sid, pid, a, b in zip(
+            t["sample_ids"].tolist(), prompt_ids, offsets[:-1], offsets[1:], strict=True
+        )
     ]
     return (samples, meta) if with_meta else samples
 

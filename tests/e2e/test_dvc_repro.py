@@ -1,0 +1,27 @@
+"""`dvc repro` reproduces the smoke profile in a clean copy of the repo, then has nothing to do."""
+
+import json
+
+import pytest
+
+from ..conftest import copy_repo, tool_env
+from .conftest import BIN, run
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_dvc_repro_smoke(tmp_path):
+    repo = copy_repo(tmp_path / "repo", profile="smoke")
+    env = tool_env()
+    first = run([str(BIN / "dvc"), "repro"], repo, env)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "Running stage 'provision'" in first.stdout and "Running stage 'prepare'" in first.stdout
+    status = run([str(BIN / "dvc"), "status"], repo, env)
+    assert "Data and pipelines are up to date" in status.stdout
+    again = run([str(BIN / "dvc"), "repro"], repo, env)
+    assert again.returncode == 0 and "Running stage" not in again.stdout
+    metrics = json.loads((repo / "metrics" / "prepare.json").read_text())
+    assert metrics["profile"] == "smoke" and metrics["num_samples"] == 8
+    assert {"git_commit", "created_at"} <= metrics.keys()
+    shown = run([str(BIN / "dvc"), "metrics", "show", "--json"], repo, env)
+    assert shown.returncode == 0 and "num_samples" in shown.stdout

