@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from dspark.config import Params
 from dspark.io import write_json
@@ -24,6 +25,7 @@ EVAL_PROMPTS = "artifacts/prompts/eval.jsonl"
 EVENTS_DIR = "logs/events"
 RESOLVED_DIR = "logs/resolved"
 RUN_SUMMARY = "metrics/run.json"
+PREPARE_LENGTHS = "plots/prepare_lengths.csv"
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,12 @@ class StageContext:
         return self.root / rel
 
 
+class Plot(NamedTuple):
+    path: str  # a CSV the stage writes
+    x: str
+    y: str
+
+
 @dataclass(frozen=True)
 class Stage:
     name: str
@@ -46,7 +54,7 @@ class Stage:
     deps: tuple[str, ...]  # code and data it reads
     outs: tuple[str, ...]  # what it writes, cached by DVC
     persist: bool = False  # keep outs across reruns: the stage resumes from what it finished
-    plots: tuple[str, ...] = field(default=())
+    plots: tuple[Plot, ...] = field(default=())
     artifacts: tuple[str, ...] = field(default=())  # small outputs worth attaching to the run
 
     @property
@@ -84,7 +92,8 @@ def _prepare(ctx: StageContext) -> dict:
         target=ctx.path(TARGET_DIR),
         shards=ctx.path(SHARDS),
         eval_prompts=ctx.path(EVAL_PROMPTS),
-        events=ctx.path(EVENTS_DIR) / "prepare.jsonl",
+        events=ctx.path(BY_NAME["prepare"].events),
+        lengths_plot=ctx.path(PREPARE_LENGTHS),
     )
     return prepare(ctx.params, target, paths, eval_file=ctx.prompts_file, progress=ctx.progress)
 
@@ -127,7 +136,8 @@ STAGES: tuple[Stage, ...] = (
         deps=(TARGET_DIR, "dspark/data", "evals/data/tools.json"),
         outs=(SHARDS, "artifacts/prompts"),
         persist=True,
-        artifacts=(f"{SHARDS}/manifest.json",),
+        plots=(Plot(PREPARE_LENGTHS, x="sample_id", y="response_tokens"),),
+        artifacts=(f"{SHARDS}/manifest.json", PREPARE_LENGTHS),
     ),
 )
 
@@ -200,7 +210,7 @@ def dvc_yaml() -> str:
             "metrics": [{s.metrics: {"cache": False}}],
         }
         if s.plots:
-            entry["plots"] = [{p: {"cache": False}} for p in s.plots]
+            entry["plots"] = [{p.path: {"cache": False, "x": p.x, "y": p.y}} for p in s.plots]
         stages[s.name] = entry
     doc = {"stages": stages, "metrics": [RUN_SUMMARY]}
     header = (

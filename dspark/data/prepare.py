@@ -27,7 +27,7 @@ from dspark.data.generate import generate_batch
 from dspark.data.prompts import Prompt, read_prompt_file, write_prompt_file
 from dspark.data.train_sources import iter_training_prompts
 from dspark.errors import DataError
-from dspark.io import ensure_writable_dir
+from dspark.io import ensure_writable_dir, write_text
 from dspark.metrics import EventLog
 from dspark.models.target import Target, read_manifest
 
@@ -38,6 +38,7 @@ class PreparePaths:
     shards: Path
     eval_prompts: Path
     events: Path | None = None
+    lengths_plot: Path | None = None  # CSV: sample_id, prompt_tokens, response_tokens
 
 
 def long_context_tokens(params: Params, target: Target) -> int:
@@ -198,6 +199,8 @@ def prepare(
             "chat_template": "target",
         },
     )
+    if paths.lengths_plot:
+        _write_lengths(paths.lengths_plot, paths.shards)
     return {
         "num_samples": manifest["num_samples"],
         "num_tokens": manifest["num_tokens"],
@@ -210,6 +213,14 @@ def prepare(
         "gen_tok_s": round(gen_tokens / gen_seconds, 2) if gen_seconds else None,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
+
+
+def _write_lengths(path: Path, folder: Path) -> None:
+    rows = ["sample_id,prompt_tokens,response_tokens"]
+    for s in shard_io.iter_samples(folder, verify=False):
+        response = int(s.loss_mask.sum())
+        rows.append(f"{s.sample_id},{s.input_ids.numel() - response},{response}")
+    write_text(path, "\n".join(rows) + "\n")
 
 
 def _fingerprint(params: Params, target_dir: Path) -> str:

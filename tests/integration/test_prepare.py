@@ -42,6 +42,7 @@ def run(tiny_target, tiny_target_dir, tmp_path, train_file, *sets):
         shards=tmp_path / "shards",
         eval_prompts=tmp_path / "eval.jsonl",
         events=tmp_path / "events.jsonl",
+        lengths_plot=tmp_path / "lengths.csv",
     )
     return prepare(params, tiny_target, paths, progress=False), paths
 
@@ -65,6 +66,9 @@ def test_shards_masks_and_eval_exclusion(tiny_target, tiny_target_dir, tmp_path,
     assert metrics["regenerated"] == 6  # JSONL prompts carry no answer to keep
     events = [json.loads(line) for line in paths.events.read_text().splitlines()]
     assert [e["metrics"]["samples"] for e in events] == [4, 6]
+    rows = paths.lengths_plot.read_text().splitlines()
+    assert rows[0] == "sample_id,prompt_tokens,response_tokens" and len(rows) == 7
+    assert sum(int(r.split(",")[2]) for r in rows[1:]) == metrics["response_tokens"]
 
 
 def test_resume_skips_finished_shards(tiny_target, tiny_target_dir, tmp_path, train_file):
