@@ -180,10 +180,25 @@ class ExtractConfig(Section):
     )
     wire_dtype: Dtype = Field("bfloat16", description="dtype of hidden states on the wire")
     topk_logits: NonNegInt = Field(0, description="also send the top-k target logits (0: off)")
-    transport: Literal["mooncake", "files"] = "mooncake"
-    mode: Literal["online", "offline", "hybrid"] = "online"
+    transport: Literal["mooncake", "files"] = Field(
+        "mooncake", description="payload store: Mooncake, or a shared folder"
+    )
+    mode: Literal["online", "offline", "hybrid"] = Field(
+        "online", description="online: stream only; offline: write shards; hybrid: both"
+    )
     workers: PosInt = Field(2, description="producer processes, each with its own target")
-    max_in_flight: PosInt = Field(8, description="credits: samples sent but not yet consumed")
+    max_in_flight: PosInt = Field(8, description="credits: samples assigned but not consumed")
+    host: str = Field("127.0.0.1", description="address the coordinator and Mooncake bind")
+    control_port: NonNegInt = Field(0, description="coordinator port (0: any free port)")
+    heartbeat_timeout: Annotated[float, Field(gt=0)] = Field(
+        3.0, description="seconds without a heartbeat before a producer counts as dead"
+    )
+    fetch_timeout: Annotated[float, Field(gt=0)] = Field(
+        8.0, description="seconds a payload fetch may take before it is produced again"
+    )
+    segment_mb: PosInt = Field(256, description="Mooncake memory each producer contributes")
+    buffer_mb: PosInt = Field(64, description="Mooncake transfer buffer of the consumer")
+    shard_size: PosInt = Field(64, description="samples per hidden-state shard on disk")
 
 
 class DSparkDraftConfig(Section):

@@ -24,6 +24,7 @@ SHARDS = "artifacts/shards"
 EVAL_PROMPTS = "artifacts/prompts/eval.jsonl"
 EVENTS_DIR = "logs/events"
 RESOLVED_DIR = "logs/resolved"
+HIDDEN = "artifacts/hidden"
 RUN_SUMMARY = "metrics/run.json"
 PREPARE_LENGTHS = "plots/prepare_lengths.csv"
 
@@ -98,6 +99,19 @@ def _prepare(ctx: StageContext) -> dict:
     return prepare(ctx.params, target, paths, eval_file=ctx.prompts_file, progress=ctx.progress)
 
 
+def _extract(ctx: StageContext) -> dict:
+    from dspark.extract.stage import extract
+
+    return extract(
+        ctx.params,
+        target_dir=ctx.path(TARGET_DIR),
+        shards_dir=ctx.path(SHARDS),
+        out_dir=ctx.path(HIDDEN),
+        events=ctx.path(BY_NAME["extract"].events),
+        progress=ctx.progress,
+    )
+
+
 # Code and data packages whose versions a run's results depend on.
 PROVENANCE_PACKAGES = (
     "dspark",
@@ -138,6 +152,15 @@ STAGES: tuple[Stage, ...] = (
         persist=True,
         plots=(Plot(PREPARE_LENGTHS, x="sample_id", y="response_tokens"),),
         artifacts=(f"{SHARDS}/manifest.json", PREPARE_LENGTHS),
+    ),
+    Stage(
+        name="extract",
+        help="capture hidden states in producer processes and stream them over Mooncake",
+        run=_extract,
+        params=("target", "extract"),
+        deps=(TARGET_DIR, SHARDS, "dspark/extract", "dspark/transport", "dspark/schema.py"),
+        outs=(HIDDEN,),
+        artifacts=(f"{HIDDEN}/manifest.json",),
     ),
 )
 

@@ -1,0 +1,1 @@
+"""Hidden-state capture from the target (the inference plane's half of extraction)."""

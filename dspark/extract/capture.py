@@ -1,0 +1,82 @@
+"""Capture the target's hidden states for one token sequence.
+
+Forward hooks on the decoder layers pick up each tapped layer's output; the last layer's output
+is kept before the final norm, so the frozen `lm_head(norm(h))` rebuilds the target's logits on
+the training side. Only the backbone runs (no lm_head) unless top-k logits are requested.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.data.shards import TokenSample
+from dspark.errors import ConfigError
+from dspark.models.target import Target
+from dspark.schema import WIRE_DTYPES, Sample
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """speculators' default [2, L//2, L-3]; clamped and deduplicated for very shallow targets."""
+    picks = (2, num_layers // 2, num_layers - 3)
+    return sorted({min(max(p, 0), num_layers - 1) for p in picks})
+
+
+def resolve_aux_layers(layers: list[int] | None, num_layers: int) -> list[int]:
+    if layers is None:
+        return default_aux_layers(num_layers)
+    bad = [x for x in layers if not 0 <= x < num_layers]
+    if bad:
+        raise ConfigError(
+            f"extract.aux_layers: layer {bad[0]} is out of range for a {num_layers}-layer target"
+        )
+    if len(set(layers)) != len(layers):
+        raise ConfigError("extract.aux_layers: a layer is listed twice")
+    return list(layers)
+
+
+class HiddenStateCapture:
+    """Callable: TokenSample -> Sample (schema-checked, in the wire dtype)."""
+
+    def __init__(self, target: Target, aux_layers: list[int], wire_dtype: str, topk: int = 0):
+        self.target = target
+        self.aux_layers = aux_layers
+        self.wire_dtype = WIRE_DTYPES[wire_dtype]
+        self.topk = topk
+        self._taps = sorted({*aux_layers, target.num_layers - 1})
+        self._seen: dict[int, torch.Tensor] = {}
+        layers = target.model.model.layers
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in self._taps]
+
+    def _hook(self, index: int):
+        def keep(_module, _inputs, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            self._seen[index] = hidden
+
+        return keep
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @torch.inference_mode()
+    def __call__(self, token_sample: TokenSample) -> Sample:
+        ids = token_sample.input_ids.to(torch.long)[None]  # [1, S]
+        self._seen.clear()
+        self.target.model.model(input_ids=ids, use_cache=False)
+        aux = torch.stack([self._seen[i][0] for i in self.aux_layers])  # [L, S, H]
+        last = self._seen[self.target.num_layers - 1][0]  # [S, H], before the final norm
+        topk_values = topk_indices = None
+        if self.topk:
+            logits = self.target.lm_head(self.target.norm(last))  # [S, V]
+            values, indices = logits.topk(self.topk, dim=-1)  # [S, k]
+            topk_values, topk_indices = values.to(self.wire_dtype), indices.to(torch.int32)
+        return Sample(
+            sample_id=token_sample.sample_id,
+            input_ids=token_sample.input_ids.to(torch.int32),
+            loss_mask=token_sample.loss_mask.to(torch.bool),
+            aux_hidden=aux.to(self.wire_dtype).contiguous(),
+            last_hidden=last.to(self.wire_dtype).contiguous(),
+            topk_values=topk_values,
+            topk_indices=topk_indices,
+        ).validate()

@@ -1,0 +1,209 @@
+"""The extract stage: producer processes capture hidden states and stream them to a consumer.
+
+    inference plane   `extract.workers` producer processes, each with its own target
+    transport         Mooncake (hs-connectors objects, payload in the producers' memory) or a
+                      shared folder; manifests, credits and acks on our control channel
+    training plane    this process: the consumer, verifying every sample in id order
+
+Modes: `online` keeps nothing but a receipt (the trainer consumes the stream itself), `offline`
+writes hidden-state shards, `hybrid` streams and caches.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dspark.config import Params
+from dspark.data.shards import read_manifest as read_token_manifest
+from dspark.extract.capture import resolve_aux_layers
+from dspark.metrics import EventLog
+from dspark.schema import Sample
+from dspark.transport.control import Coordinator
+from dspark.transport.files import HiddenShardWriter
+from dspark.transport.master import MooncakeMaster
+from dspark.transport.producer import ProducerConfig
+from dspark.transport.stores import FileStore, MooncakeStore, PayloadStore
+from dspark.transport.stream import StreamConsumer
+
+# Bound how long a transfer may block on a frozen (SIGSTOPped) peer: Mooncake waits 30-60 s
+# by default. Applied to the consumer and to every producer.
+MOONCAKE_ENV = {"MC_TRANSFER_TIMEOUT": "5", "MC_LOG_LEVEL": "ERROR"}
+
+
+@dataclass
+class StreamSetup:
+    coordinator: Coordinator
+    store: PayloadStore
+    producers: list[subprocess.Popen]
+    run_id: str
+    master: MooncakeMaster | None
+
+
+def _num_layers(target_dir: Path) -> int:
+    import json
+
+    return int(json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"])
+
+
+@contextmanager
+def open_stream(
+    params: Params,
+    *,
+    target_dir: Path,
+    shards_dir: Path,
+    sample_ids: list[int],
+    consumed: set[int] | None = None,
+    workdir: Path | None = None,
+    producer_overrides: Callable[[int], dict] | None = None,
+) -> Iterator[StreamSetup]:
+    """Start the transport (master, coordinator, producers); stop all of it on exit."""
+    x = params.extract
+    for key, value in MOONCAKE_ENV.items():
+        os.environ.setdefault(key, value)
+    aux = resolve_aux_layers(x.aux_layers, _num_layers(target_dir))
+    run_id = uuid.uuid4().hex[:12]
+    with ExitStack() as stack:
+        scratch = Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="dspark-stream-", dir=workdir))
+        )
+        coordinator = Coordinator(
+            sample_ids,
+            consumed=consumed,
+            host=x.host,
+            port=x.control_port,
+            max_in_flight=x.max_in_flight,
+            heartbeat_timeout=x.heartbeat_timeout,
+        )
+        stack.callback(coordinator.close)
+        if x.transport == "mooncake":
+            master = stack.enter_context(MooncakeMaster.start(x.host, log=scratch / "master.log"))
+            store: PayloadStore = MooncakeStore(
+                master.address, host=x.host, segment_bytes=0, buffer_bytes=x.buffer_mb << 20
+            )
+        else:
+            master = None
+            store = FileStore(scratch / "payloads")
+        threads = max(1, (os.cpu_count() or 1) // x.workers)
+        producers = []
+        for i in range(x.workers):
+            cfg = ProducerConfig(
+                name=f"producer-{i}",
+                coordinator=coordinator.address,
+                run_id=run_id,
+                target_dir=str(target_dir),
+                shards_dir=str(shards_dir),
+                aux_layers=aux,
+                wire_dtype=x.wire_dtype,
+                topk=x.topk_logits,
+                store=x.transport,
+                master=master.address if master else "",
+                files_dir=str(scratch / "payloads"),
+                host=x.host,
+                segment_bytes=x.segment_mb << 20,
+                buffer_bytes=16 << 20,
+                threads=threads,
+                **(producer_overrides(i) if producer_overrides else {}),
+            )
+            path = scratch / f"producer-{i}.json"
+            cfg.dump(path)
+            log = open(scratch / f"producer-{i}.log", "w")  # noqa: SIM115 - child owns it
+            producers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "dspark.transport.producer", str(path)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ},
+                )
+            )
+        stack.callback(_stop_all, producers)
+        yield StreamSetup(coordinator, store, producers, run_id, master)
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+def extract(
+    params: Params,
+    *,
+    target_dir: Path,
+    shards_dir: Path,
+    out_dir: Path,
+    events: Path | None = None,
+    progress: bool = True,
+    on_sample: Callable[[Sample], None] | None = None,
+) -> dict:
+    """Run the stage; return its metrics."""
+    x = params.extract
+    t0 = time.perf_counter()
+    token_manifest = read_token_manifest(shards_dir)
+    ids = list(range(token_manifest["num_samples"]))
+    writer = HiddenShardWriter(
+        out_dir, shard_size=x.shard_size, keep_payload=x.mode in ("offline", "hybrid")
+    )
+    log = EventLog(events)
+    tokens = 0
+    with open_stream(
+        params, target_dir=target_dir, shards_dir=shards_dir, sample_ids=ids
+    ) as stream:
+        consumer = StreamConsumer(stream.coordinator, stream.store, fetch_timeout=x.fetch_timeout)
+        bar = tqdm(total=len(ids), desc="extract", unit="sample", disable=not progress)
+        for n, sample in enumerate(consumer, start=1):
+            writer.add(sample)
+            tokens += sample.num_tokens
+            if on_sample:
+                on_sample(sample)
+            bar.update(1)
+            log.log(n, samples=n, tokens=tokens, mb=consumer.bytes_received / 1e6)
+        bar.close()
+        stats = stream.coordinator.stats
+    wall = time.perf_counter() - t0
+    received = consumer.consumed
+    writer.close(
+        {
+            "transport": x.transport,
+            "mode": x.mode,
+            "wire_dtype": x.wire_dtype,
+            "aux_layers": resolve_aux_layers(x.aux_layers, _num_layers(target_dir)),
+        }
+    )
+    return {
+        "transport": x.transport,
+        "mode": x.mode,
+        "workers": x.workers,
+        "samples_expected": len(ids),
+        "samples_received": len(received),
+        "lost": len(set(ids) - set(received)),
+        "duplicated": len(received) - len(set(received)),
+        "duplicates_dropped": stats.duplicates_dropped,
+        "reassigned": stats.reassigned,
+        "resent_after_error": stats.resent_after_error,
+        "producers_lost": stats.producers_lost,
+        "tokens": tokens,
+        "bytes_received": consumer.bytes_received,
+        "mb_per_s": round(consumer.bytes_received / 1e6 / wall, 2),
+        "consumer_wait_fraction": round(consumer.wait_s / wall, 4),
+        "wall_s": round(wall, 2),
+    }

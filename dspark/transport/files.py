@@ -1,0 +1,109 @@
+"""Hidden-state shards on disk: the offline mode, and the cache of the hybrid one.
+
+One safetensors file per shard holds each sample's tensors under `<sample_id>/<name>`;
+`manifest.json` (written last, atomically) lists every sample with its shard and the CRC32 of
+each tensor, so a reader verifies what it loads. In online mode the same manifest is written
+with no shards: a receipt of what streamed through, and a DVC output the train stage depends on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dspark.errors import DataError
+from dspark.io import atomic_path, ensure_writable_dir, write_json
+from dspark.schema import SCHEMA_VERSION, Sample
+from dspark.transport.wire import crc32, verify
+
+MANIFEST = "manifest.json"
+
+
+class HiddenShardWriter:
+    def __init__(self, folder: Path, *, shard_size: int, keep_payload: bool):
+        self.folder = ensure_writable_dir(Path(folder))
+        for old in self.folder.glob("hidden-*.safetensors"):
+            old.unlink()
+        self.shard_size = shard_size
+        self.keep_payload = keep_payload
+        self.entries: list[dict] = []
+        self._pending: list[Sample] = []
+        self._shards = 0
+
+    def add(self, sample: Sample) -> None:
+        entry = {
+            "sample_id": sample.sample_id,
+            "tokens": sample.num_tokens,
+            "crc32": {k: crc32(t) for k, t in sample.tensors().items()},
+            "shard": None,
+        }
+        self.entries.append(entry)
+        if self.keep_payload:
+            self._pending.append(sample)
+            if len(self._pending) >= self.shard_size:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        name = f"hidden-{self._shards:05d}.safetensors"
+        tensors = {
+            f"{s.sample_id}/{k}": t.contiguous()
+            for s in self._pending
+            for k, t in s.tensors().items()
+        }
+        with atomic_path(self.folder / name) as tmp:
+            save_file(tensors, str(tmp))
+        done = {s.sample_id for s in self._pending}
+        for e in self.entries:
+            if e["sample_id"] in done:
+                e["shard"] = name
+        self._pending = []
+        self._shards += 1
+
+    def close(self, extra: dict) -> dict:
+        self._flush()
+        doc = {
+            "schema_version": SCHEMA_VERSION,
+            "payload": self.keep_payload,
+            "num_samples": len(self.entries),
+            **extra,
+            "samples": self.entries,
+        }
+        write_json(self.folder / MANIFEST, doc)
+        return doc
+
+
+def read_hidden_manifest(folder: Path) -> dict:
+    path = Path(folder) / MANIFEST
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing (run `dspark extract`)") from None
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise DataError(f"{path}: schema {doc.get('schema_version')}, expected {SCHEMA_VERSION}")
+    return doc
+
+
+def iter_hidden(folder: Path) -> Iterator[Sample]:
+    """Every cached sample, CRC-verified, in sample-id order."""
+    folder = Path(folder)
+    doc = read_hidden_manifest(folder)
+    if not doc["payload"]:
+        raise DataError(f"{folder}: extracted online; no hidden states were kept on disk")
+    for entry in sorted(doc["samples"], key=lambda e: e["sample_id"]):
+        sid = entry["sample_id"]
+        with safe_open(str(folder / entry["shard"]), framework="pt") as f:
+            tensors = {k: f.get_tensor(f"{sid}/{k}") for k in entry["crc32"]}
+        manifest = {
+            "metadata": {
+                "sample_id": sid,
+                "schema_version": SCHEMA_VERSION,
+                "crc32": entry["crc32"],
+            }
+        }
+        yield verify(manifest, tensors)

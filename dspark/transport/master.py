@@ -1,0 +1,104 @@
+"""Start and stop a local `mooncake_master` (shipped in the Mooncake wheel) by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.transport.control import warn_if_exposed
+from dspark.transport.stores import TransportError
+
+
+def master_binary() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise TransportError("mooncake: package mooncake-transfer-engine-non-cuda is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "mooncake_master"
+    if not path.is_file():
+        raise TransportError(f"mooncake: {path} is missing")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class MooncakeMaster:
+    """A running master; `address` is what stores pass as `master_server_address`."""
+
+    host: str
+    port: int
+    metrics_port: int
+    process: subprocess.Popen
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def start(
+        cls,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log: Path | None = None,
+        ready_timeout: float = 15.0,
+    ) -> MooncakeMaster:
+        warn_if_exposed(host, "mooncake_master")
+        port = port or free_port(host)
+        metrics_port = free_port(host)
+        out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(
+            [
+                str(master_binary()),
+                f"--rpc_address={host}",
+                f"--rpc_port={port}",
+                f"--metrics_host={host}",
+                f"--metrics_port={metrics_port}",
+                "--enable_http_metadata_server=false",
+                "--logtostderr=1",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        master = cls(host, port, metrics_port, proc)
+        deadline = time.monotonic() + ready_timeout
+        while not _listening(host, port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                master.stop()
+                raise TransportError(f"mooncake_master did not start on {host}:{port}")
+            time.sleep(0.05)
+        return master
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+
+    def __enter__(self) -> MooncakeMaster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,265 @@
+"""Hidden states streamed from real producer processes to a consumer, over Mooncake on loopback,
+with the faults the protocol must survive."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dspark.config import load_params
+from dspark.data.prepare import PreparePaths, prepare
+from dspark.data.shards import iter_samples
+from dspark.extract.capture import HiddenStateCapture
+from dspark.extract.stage import extract, open_stream
+from dspark.transport.files import iter_hidden
+from dspark.transport.producer import ProducerConfig
+from dspark.transport.stream import StreamConsumer
+
+from ..conftest import ROOT
+
+pytestmark = pytest.mark.slow
+NUM = 24
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_target, tiny_target_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prepared")
+    train = folder / "train.jsonl"
+    train.write_text(
+        "".join(
+            json.dumps({"category": "t", "prompt": f"Say something about item {i}."}) + "\n"
+            for i in range(NUM + 4)
+        )
+    )
+    params = load_params(
+        ROOT / "params.yaml",
+        profile="smoke",
+        overrides=[
+            f"data.train_sources=[{train}]",
+            f"prepare.num_samples={NUM}",
+            "prepare.shard_size=8",
+            "data.eval_counts={qa: 1}",
+            "prepare.max_new_tokens=8",
+        ],
+    )
+    paths = PreparePaths(
+        target=tiny_target_dir, shards=folder / "shards", eval_prompts=folder / "eval.jsonl"
+    )
+    prepare(params, tiny_target, paths, progress=False)
+    return paths.shards
+
+
+def stream_params(*sets):
+    return load_params(
+        ROOT / "params.yaml",
+        profile="smoke",
+        overrides=[
+            "extract.workers=2",
+            "extract.max_in_flight=6",
+            "extract.heartbeat_timeout=2",
+            "extract.fetch_timeout=6",
+            "extract.wire_dtype=float32",
+            *sets,
+        ],
+    )
+
+
+def expected_samples(tiny_target, shards, aux):
+    capture = HiddenStateCapture(tiny_target, aux, "float32")
+    try:
+        return {s.sample_id: capture(s) for s in iter_samples(shards)}
+    finally:
+        capture.close()
+
+
+def assert_exact(received, expected):
+    assert [s.sample_id for s in received] == sorted(expected)  # every sample, once, in order
+    for s in received:
+        for name, tensor in s.tensors().items():
+            assert torch.equal(tensor, expected[s.sample_id].tensors()[name]), name
+
+
+def consume(params, tiny_target_dir, shards, overrides=None, on_sample=None, consumed=None):
+    ids = list(range(NUM))
+    with open_stream(
+        params,
+        target_dir=tiny_target_dir,
+        shards_dir=shards,
+        sample_ids=ids,
+        consumed=consumed,
+        producer_overrides=overrides,
+    ) as stream:
+        consumer = StreamConsumer(
+            stream.coordinator, stream.store, fetch_timeout=6, idle_timeout=60
+        )
+        out = []
+        for sample in consumer:
+            out.append(sample)
+            if on_sample:
+                on_sample(len(out), stream)
+        return out, stream.coordinator.stats
+
+
+def test_two_producers_over_mooncake_every_sample_verified(
+    tiny_target, tiny_target_dir, prepared, tmp_path
+):
+    params = stream_params("extract.mode=hybrid")
+    metrics = extract(
+        params,
+        target_dir=tiny_target_dir,
+        shards_dir=prepared,
+        out_dir=tmp_path / "hidden",
+        progress=False,
+    )
+    assert metrics["samples_received"] == NUM and metrics["lost"] == 0
+    assert metrics["duplicated"] == 0 and metrics["transport"] == "mooncake"
+    assert_exact(
+        list(iter_hidden(tmp_path / "hidden")), expected_samples(tiny_target, prepared, [0, 1])
+    )
+
+
+def test_killed_producer_samples_are_reassigned(tiny_target, tiny_target_dir, prepared):
+    def kill_first(n, stream):
+        if n == 3:
+            stream.producers[0].kill()
+
+    params = stream_params()
+    out, stats = consume(
+        params,
+        tiny_target_dir,
+        prepared,
+        on_sample=kill_first,
+        overrides=lambda i: {"throttle_s": 0.15},
+    )
+    assert stats.producers_lost >= 1
+    assert_exact(out, expected_samples(tiny_target, prepared, [0, 1]))
+
+
+def test_stopped_producer_is_detected_and_its_samples_reassigned(
+    tiny_target, tiny_target_dir, prepared
+):
+    stopped = {}
+
+    def freeze_first(n, stream):
+        if n == 3:
+            os.kill(stream.producers[0].pid, signal.SIGSTOP)
+            stopped["at"] = time.monotonic()
+            stopped["pid"] = stream.producers[0].pid
+
+    params = stream_params()
+    try:
+        out, stats = consume(
+            params,
+            tiny_target_dir,
+            prepared,
+            on_sample=freeze_first,
+            overrides=lambda i: {"throttle_s": 0.15},
+        )
+    finally:
+        if "pid" in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped["pid"], signal.SIGCONT)
+    assert stats.producers_lost >= 1
+    assert stats.lost_at[0] - stopped["at"] < 10  # detected within 10 s, not a 60 s hang
+    assert_exact(out, expected_samples(tiny_target, prepared, [0, 1]))
+
+
+def test_corrupted_payload_is_caught_and_resent(tiny_target, tiny_target_dir, prepared):
+    params = stream_params()
+    # Whichever producer is assigned sample 5 flips a byte of it, once per producer.
+    out, stats = consume(
+        params, tiny_target_dir, prepared, overrides=lambda i: {"corrupt_sample": 5}
+    )
+    assert 1 <= stats.resent_after_error <= 2
+    assert_exact(out, expected_samples(tiny_target, prepared, [0, 1]))
+
+
+def test_consumer_restart_resumes_after_its_checkpoint(tiny_target, tiny_target_dir, prepared):
+    params = stream_params()
+    first, _ = consume(params, tiny_target_dir, prepared)
+    checkpoint = {s.sample_id for s in first[:10]}  # what a trainer had consumed
+    rest, _ = consume(params, tiny_target_dir, prepared, consumed=checkpoint)
+    assert [s.sample_id for s in rest] == list(range(10, NUM))
+    assert_exact(first[:10] + rest, expected_samples(tiny_target, prepared, [0, 1]))
+
+
+def test_wrong_peer_fails_fast_with_one_line(tmp_path, tiny_target_dir, prepared):
+    with socket.socket() as s:
+        s.bind(("127.0.0.3", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    cfg = ProducerConfig(
+        name="p",
+        coordinator=f"127.0.0.3:{port}",
+        run_id="x",
+        target_dir=str(tiny_target_dir),
+        shards_dir=str(prepared),
+        aux_layers=[0],
+        wire_dtype="float32",
+        topk=0,
+        store="files",
+        files_dir=str(tmp_path),
+        connect_timeout=5,
+    )
+    path = tmp_path / "p.json"
+    cfg.dump(path)
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, "-m", "dspark.transport.producer", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert time.monotonic() - t0 < 10
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach the stream coordinator at 127.0.0.3" in lines[0]
+
+
+def listeners() -> list[tuple[str, int, str]]:
+    """(address, port, owning pids) of every TCP listener, from `ss -ltnp`."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        parts = line.split()
+        addr, port = parts[3].rsplit(":", 1)
+        rows.append((addr.strip("[]"), int(port), " ".join(parts[5:])))
+    return rows
+
+
+def test_what_our_endpoints_bind(tiny_target_dir, prepared, caplog):
+    """The coordinator and mooncake_master bind loopback only. Mooncake's transfer engine binds
+    its data port on all interfaces whatever host it is given (no option to change it): the
+    README documents that exposure, and this test pins exactly which ports it is."""
+    params = stream_params("extract.workers=1")
+    with open_stream(
+        params, target_dir=tiny_target_dir, shards_dir=prepared, sample_ids=list(range(NUM))
+    ) as stream:
+        consumer = iter(StreamConsumer(stream.coordinator, stream.store))
+        next(consumer)  # producers and the consumer's store are up
+        pids = {str(os.getpid()), *(str(p.pid) for p in stream.producers)}
+        master_pid = str(stream.master.process.pid)
+        ours = [
+            (a, p, who)
+            for a, p, who in listeners()
+            if any(f"pid={pid}," in who for pid in (*pids, master_pid))
+        ]
+        coord_port = int(stream.coordinator.address.rsplit(":", 1)[1])
+        by_port = {p: a for a, p, _ in ours}
+        assert by_port[coord_port] == "127.0.0.1"
+        master_ports = {p for a, p, who in ours if f"pid={master_pid}," in who}
+        assert master_ports and all(by_port[p] == "127.0.0.1" for p in master_ports)
+        exposed = [(a, p, who) for a, p, who in ours if a not in ("127.0.0.1", "::1")]
+        # Only Mooncake transfer-engine listeners of the store clients, never ours.
+        assert all(p != coord_port and p not in master_ports for _, p, _ in exposed)
+    with caplog.at_level("WARNING"):
+        from dspark.transport.control import warn_if_exposed
+
+        warn_if_exposed("0.0.0.0", "the stream coordinator")
+    assert "no authentication" in caplog.text
