@@ -127,11 +127,16 @@ def open_stream(
                     env={**os.environ},
                 )
             )
-        stack.callback(_stop_all, producers)
+        stack.callback(_stop_all, coordinator, producers)
         yield StreamSetup(coordinator, store, producers, run_id, master)
 
 
-def _stop_all(procs: list[subprocess.Popen]) -> None:
+def _stop_all(coordinator: Coordinator, procs: list[subprocess.Popen]) -> None:
+    """Tell the producers the stream is done, give them a moment to exit, then make them."""
+    coordinator.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
             with suppress(ProcessLookupError):

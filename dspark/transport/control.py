@@ -279,6 +279,8 @@ class Coordinator:
 
     def close(self) -> None:
         with self._cv:
+            if self._closed:
+                return
             self._closed = True
             for peer in self._peers.values():
                 send(peer.sock, peer.lock, {"type": "done"})

@@ -263,3 +263,51 @@ def test_what_our_endpoints_bind(tiny_target_dir, prepared, caplog):
 
         warn_if_exposed("0.0.0.0", "the stream coordinator")
     assert "no authentication" in caplog.text
+
+
+def test_killed_consumer_restarts_and_producers_reconnect(tiny_target, tiny_target_dir,
+                                                         prepared, tmp_path):
+    from dspark.transport.control import Coordinator
+    from dspark.transport.master import MooncakeMaster, free_port
+    from dspark.transport.stores import MooncakeStore
+
+    ids_file = tmp_path / "consumed.txt"
+    ids_file.write_text("")
+    port = free_port()
+    with MooncakeMaster.start() as master:
+        producers = []
+        for i in range(2):
+            cfg = ProducerConfig(name=f"p{i}", coordinator=f"127.0.0.1:{port}", run_id="r",
+                                 target_dir=str(tiny_target_dir), shards_dir=str(prepared),
+                                 aux_layers=[0, 1], wire_dtype="float32", topk=0,
+                                 store="mooncake", master=master.address, throttle_s=0.1,
+                                 connect_timeout=30, reconnect_for=30)
+            cfg.dump(tmp_path / f"p{i}.json")
+            producers.append(subprocess.Popen(
+                [sys.executable, "-m", "dspark.transport.producer", str(tmp_path / f"p{i}.json")]))
+        try:
+            first = subprocess.Popen([sys.executable, "-m", "tests.integration.consumer_proc",
+                                      master.address, str(port), str(ids_file), str(NUM)],
+                                     cwd=ROOT)
+            deadline = time.monotonic() + 60
+            while len(ids_file.read_text().split()) < 8 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            first.kill()  # the consumer dies mid-stream; its checkpoint is what it recorded
+            first.wait()
+            consumed = [int(x) for x in ids_file.read_text().split()]
+            assert len(consumed) >= 8
+            coordinator = Coordinator(list(range(NUM)), consumed=set(consumed), port=port,
+                                      max_in_flight=4, heartbeat_timeout=3)
+            store = MooncakeStore(master.address, segment_bytes=0, buffer_bytes=16 << 20)
+            rest = list(StreamConsumer(coordinator, store, idle_timeout=60))
+            coordinator.close()
+            for p in producers:
+                p.wait(30)  # they finish on `done`
+        finally:
+            for p in producers:
+                if p.poll() is None:
+                    p.kill()
+    assert consumed == list(range(len(consumed)))
+    assert [s.sample_id for s in rest] == list(range(len(consumed), NUM))
+    expected = expected_samples(tiny_target, prepared, [0, 1])
+    assert_exact(rest, {k: v for k, v in expected.items() if k >= len(consumed)})
