@@ -187,9 +187,12 @@ class ExtractConfig(Section):
         "online", description="online: stream only; offline: write shards; hybrid: both"
     )
     workers: PosInt = Field(2, description="producer processes, each with its own target")
+    consumers: PosInt = Field(1, description="consumers, one per trainer rank (ids split by rank)")
     max_in_flight: PosInt = Field(8, description="credits: samples assigned but not consumed")
     host: str = Field("127.0.0.1", description="address the coordinator and Mooncake bind")
-    control_port: NonNegInt = Field(0, description="coordinator port (0: any free port)")
+    control_port: NonNegInt = Field(
+        0, description="first consumer's coordinator port, rank r at +r (0: any free ports)"
+    )
     heartbeat_timeout: Annotated[float, Field(gt=0)] = Field(
         3.0, description="seconds without a heartbeat before a producer counts as dead"
     )

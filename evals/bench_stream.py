@@ -166,9 +166,12 @@ def engine_bench_gbps(seconds: int = 5, threads: int = 4) -> float | None:
         return None
     common = ["--metadata_server=P2PHANDSHAKE", "--protocol=tcp", "--local_server_name=127.0.0.1"]
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
-        target = subprocess.Popen([str(binary), "--mode=target", *common], stdout=log,
-                                  stderr=subprocess.STDOUT,
-                                  env={**os.environ, "GLOG_logbuflevel": "-1"})  # unbuffered
+        target = subprocess.Popen(
+            [str(binary), "--mode=target", *common],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "GLOG_logbuflevel": "-1"},
+        )  # unbuffered
         try:
             segment = None
             for _ in range(200):  # its P2P handshake address is only in its log
@@ -180,9 +183,19 @@ def engine_bench_gbps(seconds: int = 5, threads: int = 4) -> float | None:
             if segment is None:
                 return None
             res = subprocess.run(
-                [str(binary), "--mode=initiator", f"--segment_id={segment}",
-                 f"--duration={seconds}", "--operation=write", f"--threads={threads}", *common],
-                capture_output=True, text=True, timeout=seconds + 60)
+                [
+                    str(binary),
+                    "--mode=initiator",
+                    f"--segment_id={segment}",
+                    f"--duration={seconds}",
+                    "--operation=write",
+                    f"--threads={threads}",
+                    *common,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=seconds + 60,
+            )
             found = re.search(r"throughput ([0-9.]+) GB/s", res.stdout + res.stderr)
             return float(found.group(1)) if found else None
         finally:

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -44,11 +45,26 @@ MOONCAKE_ENV = {"MC_TRANSFER_TIMEOUT": "5", "MC_LOG_LEVEL": "ERROR"}
 
 @dataclass
 class StreamSetup:
-    coordinator: Coordinator
+    coordinators: list[Coordinator]  # one per consumer (trainer rank), ids split by rank
     store: PayloadStore
     producers: list[subprocess.Popen]
     run_id: str
     master: MooncakeMaster | None
+
+    @property
+    def coordinator(self) -> Coordinator:
+        """The only coordinator of a single-consumer stream."""
+        if len(self.coordinators) != 1:
+            raise ValueError(f"{len(self.coordinators)} consumers: pick one of .coordinators")
+        return self.coordinators[0]
+
+    def consumers(self, **kwargs) -> list[StreamConsumer]:
+        return [StreamConsumer(c, self.store, **kwargs) for c in self.coordinators]
+
+
+def rank_ids(sample_ids: list[int], rank: int, world: int) -> list[int]:
+    """The ids consumer `rank` of `world` receives: every world-th, so each rank stays ordered."""
+    return [i for i in sample_ids if i % world == rank]
 
 
 def _num_layers(target_dir: Path) -> int:
@@ -78,15 +94,19 @@ def open_stream(
         scratch = Path(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="dspark-stream-", dir=workdir))
         )
-        coordinator = Coordinator(
-            sample_ids,
-            consumed=consumed,
-            host=x.host,
-            port=x.control_port,
-            max_in_flight=x.max_in_flight,
-            heartbeat_timeout=x.heartbeat_timeout,
-        )
-        stack.callback(coordinator.close)
+        coordinators = [
+            Coordinator(
+                rank_ids(sample_ids, rank, x.consumers),
+                consumed=consumed,
+                host=x.host,
+                port=x.control_port + rank if x.control_port else 0,
+                max_in_flight=x.max_in_flight,
+                heartbeat_timeout=x.heartbeat_timeout,
+            )
+            for rank in range(x.consumers)
+        ]
+        for c in coordinators:
+            stack.callback(c.close)
         if x.transport == "mooncake":
             master = stack.enter_context(MooncakeMaster.start(x.host, log=scratch / "master.log"))
             store: PayloadStore = MooncakeStore(
@@ -100,7 +120,7 @@ def open_stream(
         for i in range(x.workers):
             cfg = ProducerConfig(
                 name=f"producer-{i}",
-                coordinator=coordinator.address,
+                coordinators=[c.address for c in coordinators],
                 run_id=run_id,
                 target_dir=str(target_dir),
                 shards_dir=str(shards_dir),
@@ -127,13 +147,14 @@ def open_stream(
                     env={**os.environ},
                 )
             )
-        stack.callback(_stop_all, coordinator, producers)
-        yield StreamSetup(coordinator, store, producers, run_id, master)
+        stack.callback(_stop_all, coordinators, producers)
+        yield StreamSetup(coordinators, store, producers, run_id, master)
 
 
-def _stop_all(coordinator: Coordinator, procs: list[subprocess.Popen]) -> None:
+def _stop_all(coordinators: list[Coordinator], procs: list[subprocess.Popen]) -> None:
     """Tell the producers the stream is done, give them a moment to exit, then make them."""
-    coordinator.close()
+    for c in coordinators:
+        c.close()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)
@@ -160,32 +181,48 @@ def extract(
     progress: bool = True,
     on_sample: Callable[[Sample], None] | None = None,
 ) -> dict:
-    """Run the stage; return its metrics."""
+    """Run the stage; return its metrics. Each consumer drains its rank's share in a thread."""
     x = params.extract
     t0 = time.perf_counter()
-    token_manifest = read_token_manifest(shards_dir)
-    ids = list(range(token_manifest["num_samples"]))
+    ids = list(range(read_token_manifest(shards_dir)["num_samples"]))
     writer = HiddenShardWriter(
         out_dir, shard_size=x.shard_size, keep_payload=x.mode in ("offline", "hybrid")
     )
     log = EventLog(events)
+    lock = threading.Lock()
+    bar = tqdm(total=len(ids), desc="extract", unit="sample", disable=not progress)
+    received: list[int] = []
     tokens = 0
-    with open_stream(
-        params, target_dir=target_dir, shards_dir=shards_dir, sample_ids=ids
-    ) as stream:
-        consumer = StreamConsumer(stream.coordinator, stream.store, fetch_timeout=x.fetch_timeout)
-        bar = tqdm(total=len(ids), desc="extract", unit="sample", disable=not progress)
-        for n, sample in enumerate(consumer, start=1):
-            writer.add(sample)
-            tokens += sample.num_tokens
-            if on_sample:
-                on_sample(sample)
-            bar.update(1)
-            log.log(n, samples=n, tokens=tokens, mb=consumer.bytes_received / 1e6)
+    errors: list[BaseException] = []
+
+    def drain(consumer: StreamConsumer) -> None:
+        nonlocal tokens
+        try:
+            for sample in consumer:
+                with lock:
+                    writer.add(sample)
+                    tokens += sample.num_tokens
+                    received.append(sample.sample_id)
+                    if on_sample:
+                        on_sample(sample)
+                    bar.update(1)
+                    log.log(len(received), samples=len(received), tokens=tokens)
+        except BaseException as e:  # re-raised on the calling thread
+            errors.append(e)
+
+    with open_stream(params, target_dir=target_dir, shards_dir=shards_dir, sample_ids=ids) as st:
+        consumers = st.consumers(fetch_timeout=x.fetch_timeout)
+        threads = [threading.Thread(target=drain, args=(c,)) for c in consumers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         bar.close()
-        stats = stream.coordinator.stats
+        if errors:
+            raise errors[0]
+        stats = [c.stats for c in st.coordinators]
     wall = time.perf_counter() - t0
-    received = consumer.consumed
+    bytes_received = sum(c.bytes_received for c in consumers)
     writer.close(
         {
             "transport": x.transport,
@@ -198,17 +235,20 @@ def extract(
         "transport": x.transport,
         "mode": x.mode,
         "workers": x.workers,
+        "consumers": x.consumers,
         "samples_expected": len(ids),
         "samples_received": len(received),
         "lost": len(set(ids) - set(received)),
         "duplicated": len(received) - len(set(received)),
-        "duplicates_dropped": stats.duplicates_dropped,
-        "reassigned": stats.reassigned,
-        "resent_after_error": stats.resent_after_error,
-        "producers_lost": stats.producers_lost,
+        "duplicates_dropped": sum(s.duplicates_dropped for s in stats),
+        "reassigned": sum(s.reassigned for s in stats),
+        "resent_after_error": sum(s.resent_after_error for s in stats),
+        "producers_lost": sum(s.producers_lost for s in stats),
         "tokens": tokens,
-        "bytes_received": consumer.bytes_received,
-        "mb_per_s": round(consumer.bytes_received / 1e6 / wall, 2),
-        "consumer_wait_fraction": round(consumer.wait_s / wall, 4),
+        "bytes_received": bytes_received,
+        "mb_per_s": round(bytes_received / 1e6 / wall, 2),
+        "consumer_wait_fraction": round(
+            sum(c.wait_s for c in consumers) / len(consumers) / wall, 4
+        ),
         "wall_s": round(wall, 2),
     }

@@ -2,9 +2,10 @@
 
     python -m dspark.transport.producer CONFIG.json
 
-It connects to each consumer's coordinator, captures what it is assigned, stores the payload,
-announces the manifest, heartbeats, and frees a payload once the consumer acknowledges it. A
-lost coordinator (a restarted consumer) is reconnected to; its earlier work is discarded.
+It connects to every consumer's coordinator (one per trainer rank), captures what each assigns,
+stores the payload, announces the manifest to that consumer, heartbeats, and frees a payload
+once its consumer acknowledges it. A lost coordinator (a restarted consumer) is reconnected to;
+the work it had assigned is discarded.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ log = logging.getLogger("dspark.producer")
 @dataclass(frozen=True)
 class ProducerConfig:
     name: str
-    coordinator: str  # host:port
+    coordinators: list[str]  # host:port of each consumer's coordinator (one per trainer rank)
     run_id: str
     target_dir: str
     shards_dir: str
@@ -85,82 +86,117 @@ def make_store(cfg: ProducerConfig):
     return FileStore(Path(cfg.files_dir))
 
 
+class Session:
+    """This producer's link to one consumer's coordinator; reconnects after a consumer restart.
+
+    Work carries the session's generation: what a lost connection assigned is dropped, since
+    the restarted consumer assigns again from its own checkpoint.
+    """
+
+    def __init__(self, cfg: ProducerConfig, address: str, sock: socket.socket, work, store):
+        self.cfg, self.address, self.work, self.store = cfg, address, work, store
+        self.sock, self.lock = sock, threading.Lock()
+        self.generation = 0
+        self.held: set[str] = set()
+        self.finished = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def send(self, msg: dict) -> bool:
+        from dspark.transport.control import send
+
+        return send(self.sock, self.lock, msg)
+
+    def _run(self) -> None:
+        from dspark.transport.control import lines
+        from dspark.transport.wire import handle_for
+
+        while True:
+            self.send({"type": "hello", "producer": self.cfg.name})
+            for msg in lines(self.sock):
+                if msg["type"] == "assign":
+                    for sid in msg["sample_ids"]:
+                        self.work.put((self, self.generation, sid))
+                elif msg["type"] == "ack":
+                    handle = handle_for(self.cfg.run_id, msg["sample_id"])
+                    if handle in self.held:
+                        self.held.discard(handle)
+                        self.store.delete(handle)
+                elif msg["type"] == "done":
+                    self._release()
+                    self.finished.set()
+                    self.work.put(None)
+                    return
+            # The consumer went away without `done`: free what it never took, wait for it.
+            self.generation += 1
+            self._release()
+            self.sock.close()
+            try:
+                sock = connect(self.address, self.cfg.reconnect_for)
+            except CoordinatorUnreachable:
+                log.warning("consumer at %s did not come back; giving up on it", self.address)
+                self.finished.set()
+                self.work.put(None)
+                return
+            with self.lock:
+                self.sock = sock
+
+    def _release(self) -> None:
+        for handle in list(self.held):
+            self.held.discard(handle)
+            self.store.delete(handle)
+
+    def _beat(self) -> None:
+        while not self.finished.wait(self.cfg.heartbeat_s):
+            self.send({"type": "heartbeat"})
+
+
 def serve(cfg: ProducerConfig) -> int:
-    """Produce until the coordinator says done. Returns the number of samples published."""
+    """Produce until every consumer says done. Returns the number of samples published."""
     import torch
 
     from dspark.data.shards import iter_samples
     from dspark.extract.capture import HiddenStateCapture
     from dspark.models.target import load_target
-    from dspark.transport.control import lines, send
     from dspark.transport.wire import handle_for, make_manifest
 
     torch.set_num_threads(cfg.threads)
-    sock = connect(cfg.coordinator, cfg.connect_timeout)  # fail fast on a wrong peer
+    # Connect first: a wrong peer fails in seconds, before minutes of loading.
+    socks = [connect(a, cfg.connect_timeout) for a in cfg.coordinators]
     samples = {s.sample_id: s for s in iter_samples(Path(cfg.shards_dir))}
     target = load_target(Path(cfg.target_dir))
     capture = HiddenStateCapture(target, cfg.aux_layers, cfg.wire_dtype, cfg.topk)
     store = make_store(cfg)
-    corrupt = cfg.corrupt_sample
-    published = 0
-
-    while True:  # one coordinator session per pass; a restarted consumer means a new one
-        lock = threading.Lock()
-        work: queue.Queue[int | None] = queue.Queue()
-        held: set[str] = set()
-        said_done, stop = threading.Event(), threading.Event()
-        send(sock, lock, {"type": "hello", "producer": cfg.name})
-
-        def read(sock=sock, work=work, held=held, said_done=said_done):
-            for msg in lines(sock):
-                if msg["type"] == "assign":
-                    for sid in msg["sample_ids"]:
-                        work.put(sid)
-                elif msg["type"] == "ack":
-                    handle = handle_for(cfg.run_id, msg["sample_id"])
-                    if handle in held:
-                        held.discard(handle)
-                        store.delete(handle)
-                elif msg["type"] == "done":
-                    said_done.set()
-                    break
-            work.put(None)
-
-        def beat(sock=sock, lock=lock, stop=stop):
-            while not stop.is_set() and send(sock, lock, {"type": "heartbeat"}):
-                stop.wait(cfg.heartbeat_s)
-
-        threading.Thread(target=read, daemon=True).start()
-        threading.Thread(target=beat, daemon=True).start()
-        while (sid := work.get()) is not None:
-            if cfg.throttle_s:
-                time.sleep(cfg.throttle_s)
-            try:
-                sample = capture(samples[sid])
-            except Exception as e:  # non-finite or schema errors: the consumer must know
-                send(sock, lock, {"type": "failed", "sample_id": sid, "error": str(e)})
-                continue
-            handle = handle_for(cfg.run_id, sid)
-            manifest = make_manifest(sample, handle)
-            tensors = sample.tensors()
-            if sid == corrupt:
-                corrupt = -1
-                tensors = {**tensors, "aux_hidden": tensors["aux_hidden"].clone()}
-                tensors["aux_hidden"].view(-1).view(torch.uint8)[0] ^= 0xFF
-            store.put(manifest, tensors)
-            held.add(handle)
-            published += 1
-            send(sock, lock, {"type": "ready", "manifest": manifest})
-        stop.set()
-        for handle in list(held):  # whatever the consumer never took
-            store.delete(handle)
-        sock.close()
-        if said_done.is_set():
-            break
+    work: queue.Queue = queue.Queue()
+    sessions = [
+        Session(cfg, a, s, work, store) for a, s in zip(cfg.coordinators, socks, strict=True)
+    ]
+    corrupt, published = cfg.corrupt_sample, 0
+    while not all(s.finished.is_set() for s in sessions):
+        item = work.get()
+        if item is None:
+            continue
+        session, generation, sid = item
+        if generation != session.generation or session.finished.is_set():
+            continue  # assigned by a consumer that has since restarted
+        if cfg.throttle_s:
+            time.sleep(cfg.throttle_s)
         try:
-            sock = connect(cfg.coordinator, cfg.reconnect_for)
-        except CoordinatorUnreachable:
-            break
+            sample = capture(samples[sid])
+        except Exception as e:  # non-finite or schema errors: the consumer must know
+            session.send({"type": "failed", "sample_id": sid, "error": str(e)})
+            continue
+        handle = handle_for(cfg.run_id, sid)
+        manifest = make_manifest(sample, handle)
+        tensors = sample.tensors()
+        if sid == corrupt:
+            corrupt = -1
+            tensors = {**tensors, "aux_hidden": tensors["aux_hidden"].clone()}
+            tensors["aux_hidden"].view(-1).view(torch.uint8)[0] ^= 0xFF
+        store.put(manifest, tensors)
+        session.held.add(handle)
+        published += 1
+        session.send({"type": "ready", "manifest": manifest})
     capture.close()
     store.close()
     return published

@@ -1,6 +1,6 @@
 """A consumer in its own process (for the restart test): receives and records sample ids.
 
-    python -m tests.integration.consumer_proc MASTER PORT IDS_FILE NUM
+python -m tests.integration.consumer_proc MASTER PORT IDS_FILE NUM
 """
 
 import sys

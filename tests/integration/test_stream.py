@@ -196,7 +196,7 @@ def test_wrong_peer_fails_fast_with_one_line(tmp_path, tiny_target_dir, prepared
         port = s.getsockname()[1]  # closed again: nothing listens there
     cfg = ProducerConfig(
         name="p",
-        coordinator=f"127.0.0.3:{port}",
+        coordinators=[f"127.0.0.3:{port}"],
         run_id="x",
         target_dir=str(tiny_target_dir),
         shards_dir=str(prepared),
@@ -265,8 +265,9 @@ def test_what_our_endpoints_bind(tiny_target_dir, prepared, caplog):
     assert "no authentication" in caplog.text
 
 
-def test_killed_consumer_restarts_and_producers_reconnect(tiny_target, tiny_target_dir,
-                                                         prepared, tmp_path):
+def test_killed_consumer_restarts_and_producers_reconnect(
+    tiny_target, tiny_target_dir, prepared, tmp_path
+):
     from dspark.transport.control import Coordinator
     from dspark.transport.master import MooncakeMaster, free_port
     from dspark.transport.stores import MooncakeStore
@@ -277,18 +278,45 @@ def test_killed_consumer_restarts_and_producers_reconnect(tiny_target, tiny_targ
     with MooncakeMaster.start() as master:
         producers = []
         for i in range(2):
-            cfg = ProducerConfig(name=f"p{i}", coordinator=f"127.0.0.1:{port}", run_id="r",
-                                 target_dir=str(tiny_target_dir), shards_dir=str(prepared),
-                                 aux_layers=[0, 1], wire_dtype="float32", topk=0,
-                                 store="mooncake", master=master.address, throttle_s=0.1,
-                                 connect_timeout=30, reconnect_for=30)
+            cfg = ProducerConfig(
+                name=f"p{i}",
+                coordinators=[f"127.0.0.1:{port}"],
+                run_id="r",
+                target_dir=str(tiny_target_dir),
+                shards_dir=str(prepared),
+                aux_layers=[0, 1],
+                wire_dtype="float32",
+                topk=0,
+                store="mooncake",
+                master=master.address,
+                throttle_s=0.1,
+                connect_timeout=30,
+                reconnect_for=30,
+            )
             cfg.dump(tmp_path / f"p{i}.json")
-            producers.append(subprocess.Popen(
-                [sys.executable, "-m", "dspark.transport.producer", str(tmp_path / f"p{i}.json")]))
+            producers.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "dspark.transport.producer",
+                        str(tmp_path / f"p{i}.json"),
+                    ]
+                )
+            )
         try:
-            first = subprocess.Popen([sys.executable, "-m", "tests.integration.consumer_proc",
-                                      master.address, str(port), str(ids_file), str(NUM)],
-                                     cwd=ROOT)
+            first = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.integration.consumer_proc",
+                    master.address,
+                    str(port),
+                    str(ids_file),
+                    str(NUM),
+                ],
+                cwd=ROOT,
+            )
             deadline = time.monotonic() + 60
             while len(ids_file.read_text().split()) < 8 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -296,8 +324,13 @@ def test_killed_consumer_restarts_and_producers_reconnect(tiny_target, tiny_targ
             first.wait()
             consumed = [int(x) for x in ids_file.read_text().split()]
             assert len(consumed) >= 8
-            coordinator = Coordinator(list(range(NUM)), consumed=set(consumed), port=port,
-                                      max_in_flight=4, heartbeat_timeout=3)
+            coordinator = Coordinator(
+                list(range(NUM)),
+                consumed=set(consumed),
+                port=port,
+                max_in_flight=4,
+                heartbeat_timeout=3,
+            )
             store = MooncakeStore(master.address, segment_bytes=0, buffer_bytes=16 << 20)
             rest = list(StreamConsumer(coordinator, store, idle_timeout=60))
             coordinator.close()
@@ -311,3 +344,26 @@ def test_killed_consumer_restarts_and_producers_reconnect(tiny_target, tiny_targ
     assert [s.sample_id for s in rest] == list(range(len(consumed), NUM))
     expected = expected_samples(tiny_target, prepared, [0, 1])
     assert_exact(rest, {k: v for k, v in expected.items() if k >= len(consumed)})
+
+
+def test_two_consumers_each_get_their_rank_in_order(tiny_target, tiny_target_dir, prepared,
+                                                    tmp_path):
+    """One consumer per trainer rank: every producer serves both, each rank's ids arrive in
+    order, and together they cover every sample exactly once."""
+    import threading
+
+    params = stream_params("extract.consumers=2")
+    got: dict[int, list] = {0: [], 1: []}
+    with open_stream(params, target_dir=tiny_target_dir, shards_dir=prepared,
+                     sample_ids=list(range(NUM))) as stream:
+        consumers = stream.consumers(fetch_timeout=6, idle_timeout=60)
+        threads = [threading.Thread(target=lambda r=r: got[r].extend(consumers[r]))
+                   for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert [s.sample_id for s in got[0]] == list(range(0, NUM, 2))
+    assert [s.sample_id for s in got[1]] == list(range(1, NUM, 2))
+    assert_exact(sorted(got[0] + got[1], key=lambda s: s.sample_id),
+                 expected_samples(tiny_target, prepared, [0, 1]))
