@@ -1,0 +1,99 @@
+"""The coordinator's bookkeeping, driven by a hand-rolled producer over a real loopback socket."""
+
+import json
+import socket
+import time
+
+import pytest
+
+from dspark.transport.control import Coordinator
+
+
+class FakeProducer:
+    def __init__(self, address, name="fake"):
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=5)
+        self.buf = b""
+        self.send({"type": "hello", "producer": name})
+
+    def send(self, msg):
+        self.sock.sendall((json.dumps(msg) + "\n").encode())
+
+    def messages(self, wait=0.5):
+        self.sock.settimeout(wait)
+        try:
+            while True:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    break
+                self.buf += chunk
+        except TimeoutError:
+            pass
+        *lines, self.buf = self.buf.split(b"\n")
+        return [json.loads(line) for line in lines if line]
+
+
+def manifest(sid):
+    return {"metadata": {"sample_id": sid}}
+
+
+def test_credits_bound_what_is_in_flight():
+    coordinator = Coordinator(list(range(20)), max_in_flight=3)
+    try:
+        producer = FakeProducer(coordinator.address)
+        assigned = [s for m in producer.messages() if m["type"] == "assign"
+                    for s in m["sample_ids"]]
+        assert assigned == [0, 1, 2]  # lowest ids first, and no more than the credits
+        producer.send({"type": "ready", "manifest": manifest(0)})
+        time.sleep(0.2)
+        assert producer.messages(0.3) == []  # ready but not consumed: still in flight
+        got = coordinator.take_ready(timeout=2)
+        coordinator.fetched(0, got[1])
+        coordinator.delivered(0)
+        msgs = producer.messages()
+        assert {"type": "ack", "sample_id": 0} in msgs
+        assert [s for m in msgs if m["type"] == "assign" for s in m["sample_ids"]] == [3]
+    finally:
+        coordinator.close()
+
+
+def test_duplicates_are_dropped_and_released():
+    coordinator = Coordinator([0, 1], max_in_flight=2)
+    try:
+        a = FakeProducer(coordinator.address, "a")
+        a.messages()
+        a.send({"type": "ready", "manifest": manifest(0)})
+        a.send({"type": "ready", "manifest": manifest(0)})
+        time.sleep(0.3)
+        assert coordinator.stats.duplicates_dropped == 1
+        assert {"type": "ack", "sample_id": 0} in a.messages()
+    finally:
+        coordinator.close()
+
+
+def test_a_producer_failure_reaches_the_consumer():
+    coordinator = Coordinator([0], max_in_flight=1)
+    try:
+        producer = FakeProducer(coordinator.address)
+        producer.messages()
+        producer.send({"type": "failed", "sample_id": 0,
+                       "error": "sample 0: aux_hidden has non-finite values"})
+        with pytest.raises(RuntimeError, match="non-finite"):
+            coordinator.take_ready(timeout=3)
+    finally:
+        coordinator.close()
+
+
+def test_silent_producer_is_dropped_and_its_work_reassigned():
+    coordinator = Coordinator([0, 1, 2], max_in_flight=2, heartbeat_timeout=0.6)
+    try:
+        quiet = FakeProducer(coordinator.address, "quiet")
+        assert [s for m in quiet.messages() if m["type"] == "assign"
+                for s in m["sample_ids"]] == [0, 1]
+        time.sleep(1.5)  # no heartbeats
+        assert coordinator.stats.producers_lost == 1
+        fresh = FakeProducer(coordinator.address, "fresh")
+        assert [s for m in fresh.messages() if m["type"] == "assign"
+                for s in m["sample_ids"]] == [0, 1]
+    finally:
+        coordinator.close()
