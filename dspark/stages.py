@@ -129,7 +129,7 @@ PROVENANCE_PACKAGES = (
 )
 
 # Every stage's result depends on the active profile and its overlay as well as its sections.
-PROFILE_KEYS = ("profile", "profiles")
+PROFILE_KEYS = ("profile", "profiles.${profile}")
 
 STAGES: tuple[Stage, ...] = (
     Stage(

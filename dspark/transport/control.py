@@ -185,6 +185,8 @@ class Coordinator:
             time.sleep(min(0.5, self.heartbeat_timeout / 4))
             now = time.monotonic()
             with self._cv:
+                if self._closed:
+                    return
                 for peer in list(self._peers.values()):
                     if peer.alive and now - peer.last_seen > self.heartbeat_timeout:
                         self._drop(peer, f"no heartbeat for {self.heartbeat_timeout:.0f} s")
@@ -229,8 +231,8 @@ class Coordinator:
 
     # -- the consuming thread -----------------------------------------------------------------
 
-    def take_ready(self, timeout: float) -> tuple[dict, str] | None:
-        """A stored sample to fetch (lowest id first), or None on timeout."""
+    def take_ready(self, timeout: float, limit: int = 1) -> list[tuple[dict, str]]:
+        """Up to `limit` stored samples to fetch, lowest ids first; [] on timeout."""
         deadline = time.monotonic() + timeout
         with self._cv:
             while not self._ready:
@@ -238,12 +240,13 @@ class Coordinator:
                     raise RuntimeError(self._error)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    return []
                 self._cv.wait(left)
-            sid = min(self._ready)
-            manifest, producer = self._ready.pop(sid)
-            self._fetching.add(sid)
-            return manifest, producer
+            taken = []
+            for sid in sorted(self._ready)[:limit]:
+                taken.append(self._ready.pop(sid))
+                self._fetching.add(sid)
+            return taken
 
     def fetched(self, sid: int, producer: str) -> None:
         """The payload is safely in our hands: the producer may free it."""

@@ -97,7 +97,7 @@ class Session:
         self.cfg, self.address, self.work, self.store = cfg, address, work, store
         self.sock, self.lock = sock, threading.Lock()
         self.generation = 0
-        self.held: set[str] = set()
+        self.held: dict[int, str] = {}  # sample id -> handle of the payload we still hold
         self.finished = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
         threading.Thread(target=self._beat, daemon=True).start()
@@ -109,7 +109,6 @@ class Session:
 
     def _run(self) -> None:
         from dspark.transport.control import lines
-        from dspark.transport.wire import handle_for
 
         while True:
             self.send({"type": "hello", "producer": self.cfg.name})
@@ -118,9 +117,8 @@ class Session:
                     for sid in msg["sample_ids"]:
                         self.work.put((self, self.generation, sid))
                 elif msg["type"] == "ack":
-                    handle = handle_for(self.cfg.run_id, msg["sample_id"])
-                    if handle in self.held:
-                        self.held.discard(handle)
+                    handle = self.held.pop(msg["sample_id"], None)
+                    if handle is not None:
                         self.store.delete(handle)
                 elif msg["type"] == "done":
                     self._release()
@@ -142,9 +140,8 @@ class Session:
                 self.sock = sock
 
     def _release(self) -> None:
-        for handle in list(self.held):
-            self.held.discard(handle)
-            self.store.delete(handle)
+        for sid in list(self.held):
+            self.store.delete(self.held.pop(sid))
 
     def _beat(self) -> None:
         while not self.finished.wait(self.cfg.heartbeat_s):
@@ -171,7 +168,7 @@ def serve(cfg: ProducerConfig) -> int:
     sessions = [
         Session(cfg, a, s, work, store) for a, s in zip(cfg.coordinators, socks, strict=True)
     ]
-    corrupt, published = cfg.corrupt_sample, 0
+    corrupt, published, attempts = cfg.corrupt_sample, 0, 0
     while not all(s.finished.is_set() for s in sessions):
         item = work.get()
         if item is None:
@@ -186,7 +183,9 @@ def serve(cfg: ProducerConfig) -> int:
         except Exception as e:  # non-finite or schema errors: the consumer must know
             session.send({"type": "failed", "sample_id": sid, "error": str(e)})
             continue
-        handle = handle_for(cfg.run_id, sid)
+        # A fresh key per attempt: Mooncake keeps the old value when a key is put again.
+        attempts += 1
+        handle = handle_for(cfg.run_id, sid, f"{cfg.name}.{attempts}")
         manifest = make_manifest(sample, handle)
         tensors = sample.tensors()
         if sid == corrupt:
@@ -194,7 +193,7 @@ def serve(cfg: ProducerConfig) -> int:
             tensors = {**tensors, "aux_hidden": tensors["aux_hidden"].clone()}
             tensors["aux_hidden"].view(-1).view(torch.uint8)[0] ^= 0xFF
         store.put(manifest, tensors)
-        session.held.add(handle)
+        session.held[sid] = handle
         published += 1
         session.send({"type": "ready", "manifest": manifest})
     capture.close()

@@ -23,8 +23,8 @@ class CorruptSample(SampleError):
     """A payload whose bytes do not match its manifest's CRC32."""
 
 
-def handle_for(run_id: str, sample_id: int) -> str:
-    return f"dspark/{run_id}/{sample_id}"
+def handle_for(run_id: str, sample_id: int, attempt: str = "0") -> str:
+    return f"dspark/{run_id}/{sample_id}/{attempt}"
 
 
 def crc32(tensor: torch.Tensor) -> int:

@@ -41,13 +41,14 @@ def test_credits_bound_what_is_in_flight():
     coordinator = Coordinator(list(range(20)), max_in_flight=3)
     try:
         producer = FakeProducer(coordinator.address)
-        assigned = [s for m in producer.messages() if m["type"] == "assign"
-                    for s in m["sample_ids"]]
+        assigned = [
+            s for m in producer.messages() if m["type"] == "assign" for s in m["sample_ids"]
+        ]
         assert assigned == [0, 1, 2]  # lowest ids first, and no more than the credits
         producer.send({"type": "ready", "manifest": manifest(0)})
         time.sleep(0.2)
         assert producer.messages(0.3) == []  # ready but not consumed: still in flight
-        got = coordinator.take_ready(timeout=2)
+        (got,) = coordinator.take_ready(timeout=2)
         coordinator.fetched(0, got[1])
         coordinator.delivered(0)
         msgs = producer.messages()
@@ -76,8 +77,13 @@ def test_a_producer_failure_reaches_the_consumer():
     try:
         producer = FakeProducer(coordinator.address)
         producer.messages()
-        producer.send({"type": "failed", "sample_id": 0,
-                       "error": "sample 0: aux_hidden has non-finite values"})
+        producer.send(
+            {
+                "type": "failed",
+                "sample_id": 0,
+                "error": "sample 0: aux_hidden has non-finite values",
+            }
+        )
         with pytest.raises(RuntimeError, match="non-finite"):
             coordinator.take_ready(timeout=3)
     finally:
@@ -88,12 +94,16 @@ def test_silent_producer_is_dropped_and_its_work_reassigned():
     coordinator = Coordinator([0, 1, 2], max_in_flight=2, heartbeat_timeout=0.6)
     try:
         quiet = FakeProducer(coordinator.address, "quiet")
-        assert [s for m in quiet.messages() if m["type"] == "assign"
-                for s in m["sample_ids"]] == [0, 1]
+        assert [s for m in quiet.messages() if m["type"] == "assign" for s in m["sample_ids"]] == [
+            0,
+            1,
+        ]
         time.sleep(1.5)  # no heartbeats
         assert coordinator.stats.producers_lost == 1
         fresh = FakeProducer(coordinator.address, "fresh")
-        assert [s for m in fresh.messages() if m["type"] == "assign"
-                for s in m["sample_ids"]] == [0, 1]
+        assert [s for m in fresh.messages() if m["type"] == "assign" for s in m["sample_ids"]] == [
+            0,
+            1,
+        ]
     finally:
         coordinator.close()
