@@ -109,6 +109,7 @@ class Coordinator:
         warn_if_exposed(host, "the stream coordinator")
         self.order = sorted(set(sample_ids) - (consumed or set()))
         self.pending: deque[int] = deque(self.order)
+        self._wanted = frozenset(self.order)  # a ready for anything else is released unused
         self.max_in_flight = max_in_flight
         self.heartbeat_timeout = heartbeat_timeout
         self.stats = StreamStats()
@@ -170,7 +171,8 @@ class Coordinator:
         sid = int(manifest["metadata"]["sample_id"])
         peer.outstanding.discard(sid)
         if (
-            sid in self._done
+            sid not in self._wanted
+            or sid in self._done
             or sid in self._buffered
             or sid in self._ready
             or sid in self._fetching

@@ -65,9 +65,11 @@ def test_duplicates_are_dropped_and_released():
         a.messages()
         a.send({"type": "ready", "manifest": manifest(0)})
         a.send({"type": "ready", "manifest": manifest(0)})
+        a.send({"type": "ready", "manifest": manifest(7)})  # never ours (a stale session's)
         time.sleep(0.3)
-        assert coordinator.stats.duplicates_dropped == 1
-        assert {"type": "ack", "sample_id": 0} in a.messages()
+        assert coordinator.stats.duplicates_dropped == 2
+        msgs = a.messages()
+        assert {"type": "ack", "sample_id": 0} in msgs and {"type": "ack", "sample_id": 7} in msgs
     finally:
         coordinator.close()
 
