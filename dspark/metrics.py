@@ -17,14 +17,19 @@ from typing import Any
 from dspark.io import write_json
 
 
+# What the pipeline itself writes into tracked files: not a sign of uncommitted code or config.
+PIPELINE_OUTPUTS = (":!metrics", ":!plots", ":!dvc.lock")
+
+
 def git_commit(repo: Path | str = ".") -> str:
-    """HEAD's SHA, with '-dirty' when tracked files differ; 'unknown' outside a checkout."""
+    """HEAD's SHA, with '-dirty' when tracked code or config differ; 'unknown' outside a
+    checkout. The pipeline's own outputs (metrics, plots, dvc.lock) do not count."""
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *PIPELINE_OUTPUTS],
             cwd=repo,
             capture_output=True,
             text=True,
