@@ -41,6 +41,21 @@ def atomic_path(path: Path) -> Iterator[Path]:
         tmp_path.unlink(missing_ok=True)
 
 
+def read_json_manifest(path: Path, *, missing_hint: str, version_key: str, version: int) -> dict:
+    """A versioned JSON manifest, or a one-line DataError naming the file (and line)."""
+    from dspark.errors import DataError
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing ({missing_hint})") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: malformed JSON") from None
+    if doc.get(version_key) != version:
+        raise DataError(f"{path}: {version_key} {doc.get(version_key)!r}, expected {version}")
+    return doc
+
+
 def write_text(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)

@@ -16,7 +16,6 @@ from typing import Any
 
 from dspark.io import write_json
 
-
 # What the pipeline itself writes into tracked files: not a sign of uncommitted code or config.
 PIPELINE_OUTPUTS = (":!metrics", ":!plots", ":!dvc.lock")
 

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dspark.errors import DataError
-from dspark.io import atomic_path, write_json
+from dspark.io import atomic_path, read_json_manifest, write_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -134,16 +134,12 @@ def write_manifest(folder: Path, entries: list[dict], extra: dict) -> dict:
 
 
 def read_manifest(folder: Path) -> dict:
-    path = Path(folder) / MANIFEST
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing (run `dspark prepare`, or it has not finished)") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: malformed JSON") from None
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"{path}: format {doc.get('format_version')!r}, expected {FORMAT_VERSION}")
-    return doc
+    return read_json_manifest(
+        Path(folder) / MANIFEST,
+        missing_hint="run `dspark prepare`, or it has not finished",
+        version_key="format_version",
+        version=FORMAT_VERSION,
+    )
 
 
 def iter_samples(folder: Path, verify: bool = True) -> Iterator[TokenSample]:

@@ -8,7 +8,6 @@ with no shards: a receipt of what streamed through, and a DVC output the train s
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dspark.errors import DataError
-from dspark.io import atomic_path, ensure_writable_dir, write_json
+from dspark.io import atomic_path, ensure_writable_dir, read_json_manifest, write_json
 from dspark.schema import SCHEMA_VERSION, Sample
 from dspark.transport.wire import crc32, verify
 
@@ -79,14 +78,12 @@ class HiddenShardWriter:
 
 
 def read_hidden_manifest(folder: Path) -> dict:
-    path = Path(folder) / MANIFEST
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing (run `dspark extract`)") from None
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise DataError(f"{path}: schema {doc.get('schema_version')}, expected {SCHEMA_VERSION}")
-    return doc
+    return read_json_manifest(
+        Path(folder) / MANIFEST,
+        missing_hint="run `dspark extract`",
+        version_key="schema_version",
+        version=SCHEMA_VERSION,
+    )
 
 
 def iter_hidden(folder: Path) -> Iterator[Sample]:

@@ -57,10 +57,11 @@ class PayloadStore(ABC):
 class MooncakeStore(PayloadStore):
     """Mooncake through hs-connectors' object format; `setup` is lazy (safe across processes).
 
-    Consumers read with hs-connectors' `get_sample`. Producers write the same packed object
-    themselves, pinned to their own segment (`preferred_segment`): a producer's payloads then
-    live and die with it, which is what re-assignment assumes. With the default placement a put
-    can land in another producer's segment, and a put into a dead producer's segment blocks.
+    Producers write the packed object themselves, pinned to their own segment
+    (`preferred_segment`): a producer's payloads then live and die with it, which is what
+    re-assignment assumes. With the default placement a put can land in another producer's
+    segment, and a put into a dead producer's segment blocks. Consumers read batches with one
+    `batch_get_into`; `get` (one sample) is hs-connectors' own `get_sample`.
     """
 
     def __init__(
@@ -97,26 +98,19 @@ class MooncakeStore(PayloadStore):
             self._reader = self._join("setup", MooncakeHiddenStatesStore(config).setup)
         return self._reader
 
+    def _raw_store(self, segment_bytes: int):
+        from mooncake.store import MooncakeDistributedStore
+
+        store = MooncakeDistributedStore()
+        args = (self.host, "P2PHANDSHAKE", segment_bytes, self.buffer_bytes, "tcp", "", self.master)
+        rc = self._join("setup", lambda: store.setup(*args))
+        if rc != 0:
+            raise TransportError(f"mooncake: setup via master {self.master} failed ({rc})")
+        return store
+
     def _require_writer(self):
         if self._writer is None:
-            from mooncake.store import MooncakeDistributedStore
-
-            store = MooncakeDistributedStore()
-            rc = self._join(
-                "setup",
-                lambda: store.setup(
-                    self.host,
-                    "P2PHANDSHAKE",
-                    self.segment_bytes,
-                    self.buffer_bytes,
-                    "tcp",
-                    "",
-                    self.master,
-                ),
-            )
-            if rc != 0:
-                raise TransportError(f"mooncake: setup via master {self.master} failed ({rc})")
-            self._writer = store
+            self._writer = self._raw_store(self.segment_bytes)
         return self._writer
 
     def _staging_for(self, nbytes: int) -> torch.Tensor:
@@ -156,18 +150,7 @@ class MooncakeStore(PayloadStore):
 
     def _require_batch_reader(self):
         if self._batch_reader is None:
-            from mooncake.store import MooncakeDistributedStore
-
-            store = MooncakeDistributedStore()
-            rc = self._join(
-                "setup",
-                lambda: store.setup(
-                    self.host, "P2PHANDSHAKE", 0, self.buffer_bytes, "tcp", "", self.master
-                ),
-            )
-            if rc != 0:
-                raise TransportError(f"mooncake: setup via master {self.master} failed ({rc})")
-            self._batch_reader = store
+            self._batch_reader = self._raw_store(0)  # a reader contributes no memory
         return self._batch_reader
 
     def get_many(self, manifests, timeout):
@@ -186,7 +169,9 @@ class MooncakeStore(PayloadStore):
             if self._get_staging is not None:
                 store.unregister_buffer(self._get_staging.data_ptr())
             self._get_staging = torch.zeros(max(total, 1 << 20) * 2, dtype=torch.uint8)
-            store.register_buffer(self._get_staging.data_ptr(), self._get_staging.numel())
+            rc = store.register_buffer(self._get_staging.data_ptr(), self._get_staging.numel())
+            if rc != 0:
+                raise TransportError(f"mooncake: register_buffer failed ({rc})")
         base = self._get_staging.data_ptr()
         results: list = [None] * len(manifests)
         pending = list(range(len(manifests)))
