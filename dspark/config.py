@@ -204,37 +204,94 @@ class ExtractConfig(Section):
     shard_size: PosInt = Field(64, description="samples per hidden-state shard on disk")
 
 
+class OptimConfig(Section):
+    """AdamW with linear warmup, then the schedule, and gradient-norm clipping."""
+
+    lr: Annotated[float, Field(gt=0.0)] = 6e-4
+    warmup_fraction: Fraction = 0.04
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="after warmup: cosine or linear decay to zero, or constant"
+    )
+    weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
+    betas: tuple[Fraction, Fraction] = (0.9, 0.999)
+    grad_clip: Annotated[float, Field(gt=0.0)] | None = Field(
+        1.0, description="max gradient norm (None: no clipping)"
+    )
+
+
 class DSparkDraftConfig(Section):
+    """DeepSpec's published DSpark recipe (lr 6e-4, 4% warmup, cosine, clip 1.0, CE 0.1 + TV
+    0.9 decayed by exp(-k/4), confidence BCE alpha 1, 512 anchors, Markov rank 256 vanilla)."""
+
     num_layers: PosInt = 1
-    block_size: Annotated[int, Field(ge=2)] = 8
+    block_size: Annotated[int, Field(ge=2)] = Field(
+        8, description="slots per block; every slot drafts (speculators' sample_from_anchor)"
+    )
     markov_rank: NonNegInt = Field(256, description="low-rank Markov head rank (0 disables)")
     markov_head: Literal["vanilla", "gated", "rnn"] = "vanilla"
     confidence_head: bool = True
-    confidence_with_markov: bool = True
-    max_anchors: PosInt = 64
+    confidence_with_markov: bool = Field(
+        True, description="the confidence head also sees the Markov previous-token embedding"
+    )
+    max_anchors: PosInt = Field(512, description="anchors sampled per sequence")
+    mask_token_id: NonNegInt | None = Field(
+        None,
+        description="token filling the non-anchor slots (None: the first special token the "
+        "training data never uses; for SmolLM2 that is 0, <|endoftext|>)",
+    )
+    ce_weight: Annotated[float, Field(ge=0.0)] = 0.1
+    tv_weight: Annotated[float, Field(ge=0.0)] = 0.9
+    gamma: Annotated[float, Field(gt=0.0)] = Field(4.0, description="slot k weighs exp(-k/gamma)")
+    confidence_weight: Annotated[float, Field(ge=0.0)] = Field(
+        1.0, description="alpha: weight of the confidence BCE"
+    )
+    optim: OptimConfig = OptimConfig()
+
+    @model_validator(mode="after")
+    def _confidence_needs_markov(self) -> DSparkDraftConfig:
+        if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
+            raise ValueError("confidence_with_markov needs markov_rank > 0")
+        return self
 
 
 class Eagle3DraftConfig(Section):
-    ttt_steps: Annotated[int, Field(ge=1, le=16)] = Field(
-        5, description="training-time-test unroll depth"
+    """DeepSpec's published EAGLE-3 recipe (one layer, lr 6e-4, 4% warmup, clip 1.0, step loss
+    decay 0.8) with the forward-KL loss of SpecForge and speculators."""
+
+    ttt_steps: Annotated[int, Field(ge=1, le=16)] | None = Field(
+        None,
+        description="training-time-test depth = the depth it drafts (None: as many tokens as "
+        "a DSpark block drafts, train.dspark.block_size)",
     )
-    loss_decay: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+    loss_decay: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
+        0.8, description="step k weighs loss_decay**k"
+    )
+    optim: OptimConfig = OptimConfig()
 
 
 class TrainConfig(Section):
+    drafts: list[Literal["dspark", "eagle3"]] = Field(
+        ["dspark", "eagle3"], min_length=1, description="drafts trained side by side"
+    )
     dspark: DSparkDraftConfig = DSparkDraftConfig()
     eagle3: Eagle3DraftConfig = Eagle3DraftConfig()
+    markov_ablation: bool = Field(
+        False, description="also train DSpark with gated, rnn and no Markov head (rank 0)"
+    )
     draft_vocab_size: PosInt | None = Field(
         16384, description="reduced draft vocabulary from training token counts (None: full)"
     )
-    lr: Annotated[float, Field(gt=0.0)] = 6e-4
-    warmup_fraction: Fraction = 0.04
     epochs: PosInt = 1
-    batch_size: PosInt = 4
-    ce_weight: Annotated[float, Field(ge=0.0)] = 0.1
-    tv_weight: Annotated[float, Field(ge=0.0)] = 0.9
-    gamma: Annotated[float, Field(gt=0.0)] = 4.0
-    confidence_weight: Annotated[float, Field(ge=0.0)] = 0.1
+    batch_size: PosInt = Field(4, description="sequences per step")
+    eval_samples: NonNegInt = Field(
+        8, description="samples held out of training to measure tau_sim on"
+    )
+    eval_points: PosInt = Field(12, description="held-out evaluations over the run (curves)")
+    checkpoint_every: PosInt = Field(25, description="steps between checkpoints")
+    shuffle_window: PosInt = Field(
+        64, description="samples shuffled together (the stream arrives in id order)"
+    )
+    threads: PosInt | None = Field(None, description="torch threads (default: all cores)")
     seed: int = 0
 
 
@@ -268,6 +325,11 @@ class BenchmarkConfig(Section):
 
 class ExportConfig(Section):
     format: Literal["speculators"] = "speculators"
+    verifier_name_or_path: str | None = Field(
+        None,
+        description="what the export names as its verifier (speculators_config.verifier); "
+        "default: the target's folder or hub id",
+    )
 
 
 class Params(Section):

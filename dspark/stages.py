@@ -25,6 +25,11 @@ EVAL_PROMPTS = "artifacts/prompts/eval.jsonl"
 EVENTS_DIR = "logs/events"
 RESOLVED_DIR = "logs/resolved"
 HIDDEN = "artifacts/hidden"
+DRAFTS = "artifacts/drafts"
+TRAIN_CHECKPOINT = "artifacts/checkpoints/train"
+EXPORT_DIR = "artifacts/export/dspark"
+TRAIN_CURVES = "plots/train_curves.csv"
+TRAIN_CURVES_PNG = "plots/train_curves.png"
 RUN_SUMMARY = "metrics/run.json"
 PREPARE_LENGTHS = "plots/prepare_lengths.csv"
 
@@ -41,9 +46,9 @@ class StageContext:
 
 
 class Plot(NamedTuple):
-    path: str  # a CSV the stage writes
-    x: str
-    y: str
+    path: str  # a CSV (x, y columns) or an image the stage writes
+    x: str | None = None
+    y: str | None = None
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,11 @@ class Stage:
     deps: tuple[str, ...]  # code and data it reads
     outs: tuple[str, ...]  # what it writes, cached by DVC
     persist: bool = False  # keep outs across reruns: the stage resumes from what it finished
+    persist_outs: tuple[str, ...] = field(default=())  # the same, for some of the outs only
     plots: tuple[Plot, ...] = field(default=())
     artifacts: tuple[str, ...] = field(default=())  # small outputs worth attaching to the run
+    children: tuple[str, ...] = field(default=())  # event prefixes logged as child runs
+    register: tuple[str, str, str] | None = None  # (child, folder, MLflow registered model)
 
     @property
     def metrics(self) -> str:
@@ -112,6 +120,33 @@ def _extract(ctx: StageContext) -> dict:
     )
 
 
+def _train(ctx: StageContext) -> dict:
+    from dspark.train.stage import TrainPaths, train
+
+    paths = TrainPaths(
+        target=ctx.path(TARGET_DIR),
+        shards=ctx.path(SHARDS),
+        hidden=ctx.path(HIDDEN),
+        drafts=ctx.path(DRAFTS),
+        checkpoint=ctx.path(TRAIN_CHECKPOINT),
+        curves_csv=ctx.path(TRAIN_CURVES),
+        curves_png=ctx.path(TRAIN_CURVES_PNG),
+        events=ctx.path(BY_NAME["train"].events),
+    )
+    return train(ctx.params, paths, progress=ctx.progress)
+
+
+def _export(ctx: StageContext) -> dict:
+    from dspark.export import export_stage
+
+    return export_stage(
+        ctx.params,
+        drafts_dir=ctx.path(DRAFTS),
+        target_dir=ctx.path(TARGET_DIR),
+        out_dir=ctx.path(EXPORT_DIR),
+    )
+
+
 # Code and data packages whose versions a run's results depend on.
 PROVENANCE_PACKAGES = (
     "dspark",
@@ -145,8 +180,8 @@ STAGES: tuple[Stage, ...] = (
         name="prepare",
         help="build eval prompts and on-policy training shards",
         run=_prepare,
-        # evaluate (max_new_tokens) and train (block_size) set the long-context prompt length.
-        params=("data", "prepare", "target", "evaluate", "train"),
+        # evaluate.max_new_tokens and the block size set the long-context prompt length.
+        params=("data", "prepare", "target", "evaluate.max_new_tokens", "train.dspark.block_size"),
         deps=(TARGET_DIR, "dspark/data", "evals/data/tools.json"),
         outs=(SHARDS, "artifacts/prompts"),
         persist=True,
@@ -161,6 +196,44 @@ STAGES: tuple[Stage, ...] = (
         deps=(TARGET_DIR, SHARDS, "dspark/extract", "dspark/transport", "dspark/schema.py"),
         outs=(HIDDEN,),
         artifacts=(f"{HIDDEN}/manifest.json",),
+    ),
+    Stage(
+        name="train",
+        help="train the DSpark draft and the EAGLE-3 baseline side by side on the hidden states",
+        run=_train,
+        # Online, the trainer opens the stream itself: the extract params shape what it gets.
+        params=("target", "extract", "train"),
+        deps=(
+            TARGET_DIR,
+            SHARDS,
+            HIDDEN,
+            "dspark/train",
+            "dspark/models",
+            "dspark/transport",
+            "dspark/extract",
+            "dspark/schema.py",
+        ),
+        outs=(DRAFTS, TRAIN_CHECKPOINT),
+        persist_outs=(TRAIN_CHECKPOINT,),
+        plots=(Plot(TRAIN_CURVES, x="tokens", y="tau_sim"), Plot(TRAIN_CURVES_PNG)),
+        artifacts=(TRAIN_CURVES, TRAIN_CURVES_PNG),
+        children=("dspark", "eagle3", "dspark_gated", "dspark_rnn", "dspark_rank0"),
+        register=("dspark", f"{DRAFTS}/dspark", "dspark-draft"),
+    ),
+    Stage(
+        name="export",
+        help="write the DSpark draft in the speculators format and check it re-imports exactly",
+        run=_export,
+        params=("target", "export"),
+        deps=(
+            TARGET_DIR,
+            DRAFTS,
+            "dspark/export.py",
+            "dspark/models",
+            "dspark/train/checkpoint.py",
+        ),
+        outs=(EXPORT_DIR,),
+        artifacts=(f"{EXPORT_DIR}/config.json",),
     ),
 )
 
@@ -229,11 +302,15 @@ def dvc_yaml() -> str:
             "cmd": f"dspark {s.name}",
             "deps": list(s.deps),
             "params": [*PROFILE_KEYS, *s.params],
-            "outs": [{o: {"persist": True}} if s.persist else o for o in s.outs],
+            "outs": [
+                {o: {"persist": True}} if s.persist or o in s.persist_outs else o for o in s.outs
+            ],
             "metrics": [{s.metrics: {"cache": False}}],
         }
         if s.plots:
-            entry["plots"] = [{p.path: {"cache": False, "x": p.x, "y": p.y}} for p in s.plots]
+            entry["plots"] = [
+                {p.path: {"cache": False, **({"x": p.x, "y": p.y} if p.x else {})}} for p in s.plots
+            ]
         stages[s.name] = entry
     doc = {"stages": stages, "metrics": [RUN_SUMMARY]}
     header = (

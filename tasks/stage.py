@@ -67,14 +67,24 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
     )
     events_path = root_path / stage.events
     offset = 0
+    children: dict[str, str] = {}  # draft name -> its child run, side by side in the UI
+
+    def child(name: str) -> str:
+        if name not in children:
+            children[name] = tracker.start(
+                f"{name}", parent=run_id, tags={"stage": name, "profile": profile, "draft": name}
+            )
+        return children[name]
 
     def follow() -> None:
         nonlocal offset
         events, offset = read_events(events_path, offset)
         for e in events:
-            tracker.metrics(
-                run_id, e["metrics"], step=e["step"], timestamp_ms=int(e["time"] * 1000)
-            )
+            own, routed = split_by_child(e["metrics"], stage.children)
+            ts = int(e["time"] * 1000)
+            tracker.metrics(run_id, own, step=e["step"], timestamp_ms=ts)
+            for name, values in routed.items():
+                tracker.metrics(child(name), values, step=e["step"], timestamp_ms=ts)
 
     ok = False
     try:
@@ -96,7 +106,40 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
         tracker.artifact(run_id, root_path / stage.metrics)
         for rel in (stage.resolved, *stage.artifacts):
             tracker.artifact(run_id, root_path / rel)
+        for name in stage.children:
+            if isinstance(doc.get(name), dict):
+                tracker.metrics(child(name), {k: v for k, v in doc[name].items() if k != "curve"})
+        for name, values in (doc.get("markov_ablation") or {}).items():
+            tracker.metrics(child(f"dspark_{name}" if name != "vanilla" else "dspark"), values)
+        if stage.register:
+            who, folder, model_name = stage.register
+            version = tracker.register(
+                child(who),
+                root_path / folder,
+                model_name,
+                tags={
+                    "profile": profile,
+                    "git_commit": git_commit(root_path),
+                    **dvc_lock_hashes(root_path, name),
+                },
+            )
+            logger.info("registered %s version %s", model_name, version)
         ok = True
         return {"stage": name, "cached": cached, "run_id": run_id, "metrics": doc}
     finally:
+        for child_id in children.values():
+            tracker.finish(child_id, ok)
         tracker.finish(run_id, ok)
+
+
+def split_by_child(metrics: dict, names: tuple[str, ...]) -> tuple[dict, dict[str, dict]]:
+    """{"dspark/loss": 1, "tokens": 9} -> ({"tokens": 9}, {"dspark": {"loss": 1}})."""
+    own: dict = {}
+    routed: dict[str, dict] = {}
+    for key, value in metrics.items():
+        prefix, sep, rest = key.partition("/")
+        if sep and prefix in names:
+            routed.setdefault(prefix, {})[rest] = value
+        else:
+            own[key] = value
+    return own, routed

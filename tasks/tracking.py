@@ -73,6 +73,22 @@ class Tracker:
         if Path(path).is_file():
             self.client.log_artifact(run_id, str(path), artifact_path=folder)
 
+    def register(self, run_id: str, folder: Path, model_name: str, tags: dict[str, str]) -> str:
+        """Log `folder` under the run and register it as a new version of `model_name`."""
+        from mlflow.exceptions import MlflowException
+
+        self.client.log_artifacts(run_id, str(folder), artifact_path="draft")
+        try:
+            self.client.create_registered_model(model_name)
+        except MlflowException as e:
+            if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code):
+                raise
+        source = f"{self.client.get_run(run_id).info.artifact_uri}/draft"
+        version = self.client.create_model_version(
+            model_name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()}
+        )
+        return str(version.version)
+
     def finish(self, run_id: str, ok: bool) -> None:
         self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
 

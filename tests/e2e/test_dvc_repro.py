@@ -23,5 +23,12 @@ def test_dvc_repro_smoke(tmp_path):
     metrics = json.loads((repo / "metrics" / "prepare.json").read_text())
     assert metrics["profile"] == "smoke" and metrics["num_samples"] == 8
     assert {"git_commit", "created_at"} <= metrics.keys()
+    train = json.loads((repo / "metrics" / "train.json").read_text())
+    assert train["source"] == "stream" and train["steps"] > 0
+    assert {"dspark", "eagle3", "goal"} <= train.keys()
+    assert len(train["dspark"]["pos_accept"]) == 8 and train["dspark"]["curve"]
+    export = json.loads((repo / "metrics" / "export.json").read_text())
+    assert export["roundtrip_max_abs_diff"] == 0.0 and export["roundtrip_vocab_equal"]
+    assert (repo / "artifacts" / "export" / "dspark" / "config.json").is_file()
     shown = run([str(BIN / "dvc"), "metrics", "show", "--json"], repo, env)
     assert shown.returncode == 0 and "num_samples" in shown.stdout

@@ -83,6 +83,15 @@ def test_deployment_runs_the_chain_and_everything_agrees(repo, served):
     prepare = next(c for c in children if c.data.tags["stage"] == "prepare")
     assert prepare.data.metrics["num_samples"] == 8
     assert prepare.data.params["prepare.num_samples"] == "8"
+    # The drafts: one child run each under the train stage's run, side by side, and the
+    # DSpark draft in the model registry.
+    train = next(c for c in children if c.data.tags["stage"] == "train")
+    drafts = [r for r in all_runs if r.data.tags.get("mlflow.parentRunId") == train.info.run_id]
+    assert {r.data.tags["draft"] for r in drafts} == {"dspark", "eagle3"}
+    assert all("tau_sim" in r.data.metrics and "eval_tau_sim" in r.data.metrics for r in drafts)
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    versions = client.search_model_versions("name='dspark-draft'")
+    assert len(versions) == 1 and versions[0].tags["profile"] == "smoke"
 
     # A second run: DVC skips both stages, and MLflow still shows them, tagged cached.
     res = trigger(repo, served, "--param", "profile=smoke", "--watch")

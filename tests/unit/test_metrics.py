@@ -5,8 +5,12 @@ from dspark.metrics import EventLog, git_commit, read_events, write_metrics
 
 
 def git(repo, *args):
-    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=repo,
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["git", "-c", "user.email=t@t", "-c", "user.name=t", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+    )
 
 
 def test_dirty_means_code_or_config_not_pipeline_outputs(tmp_path):

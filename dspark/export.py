@@ -1,0 +1,206 @@
+"""Export a trained DSpark draft in the speculators format (what speculators' DSparkDraftModel and
+vLLM's speculators loader read), and import such a folder back.
+
+Field names and semantics follow speculators 0.9.0 (`DSparkSpeculatorConfig`, its DFlash base
+and `DraftVocabMixin`):
+    aux_hidden_state_layer_ids  index into HF `hidden_states` (0 = embeddings), so our layer i
+                                (the output of decoder layer i) is id i+1
+    sample_from_anchor          true: every slot of a block drafts (block_size tokens per step)
+    t2d / d2t                   bool mask over the target vocabulary / int64 offsets with
+                                target_id = draft_index + d2t[draft_index]; only when reduced
+    lm_head.weight              the target's rows, saved only when the vocabulary is reduced
+    embed_tokens                never saved: loaded from `speculators_config.verifier`
+The block is bidirectional, so every layer is declared `full_attention`.
+Weight names are the model's own: export is a copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from dspark.errors import DataError
+from dspark.io import atomic_dir, write_json
+from dspark.models.dspark import DSparkConfig, DSparkDraft
+from dspark.models.layers import LayerShape
+from dspark.train.checkpoint import load_state, load_tensors, read_json
+
+SPECULATORS_VERSION = "0.9.0"  # the release whose format this matches (and that the test loads)
+
+
+def speculators_config(
+    cfg: DSparkConfig, verifier_config: dict, verifier_path: str, dtype: str = "float32"
+) -> dict:
+    """config.json for a DSpark draft of `cfg` over the verifier whose config.json is given."""
+    layer_cfg = {
+        k: v
+        for k, v in verifier_config.items()
+        if k
+        not in ("architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype")
+    }
+    layer_cfg.update(
+        num_hidden_layers=cfg.num_layers,
+        layer_types=["full_attention"] * cfg.num_layers,
+        tie_word_embeddings=False,
+    )
+    return {
+        "architectures": ["DSparkSpeculator"],
+        "speculators_model_type": "dspark",
+        "speculators_version": SPECULATORS_VERSION,
+        "dtype": dtype,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "block_size": cfg.block_size,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layers],
+        "mask_token_id": cfg.mask_token_id,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": True,
+        "markov_rank": cfg.markov_rank,
+        "markov_head_type": cfg.markov_head,
+        "enable_confidence_head": cfg.confidence_head,
+        "confidence_head_with_markov": cfg.confidence_with_markov,
+        "transformer_layer_config": layer_cfg,
+        "speculators_config": {
+            "algorithm": "dspark",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": cfg.block_size,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": verifier_path,
+                "architectures": verifier_config.get("architectures", []),
+            },
+        },
+    }
+
+
+def export_speculators(
+    model: DSparkDraft,
+    draft_ids: torch.Tensor,
+    out_dir: Path,
+    *,
+    verifier_config: dict,
+    verifier_path: str,
+) -> dict:
+    """Write `out_dir` (config.json + model.safetensors) atomically; return the config."""
+    cfg = model.cfg
+    doc = speculators_config(cfg, verifier_config, verifier_path)
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    reduced = cfg.draft_vocab_size != cfg.vocab_size
+    if reduced:
+        d2t = draft_ids.to(torch.int64) - torch.arange(cfg.draft_vocab_size)
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[draft_ids] = True
+        tensors.update(d2t=d2t.contiguous(), t2d=t2d)
+    else:
+        tensors.pop("lm_head.weight")  # the verifier's own head: loaded from it
+    with atomic_dir(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", doc)
+    return doc
+
+
+def import_speculators(folder: Path, embed: torch.nn.Embedding, lm_head: torch.nn.Module):
+    """A speculators DSpark folder -> (our DSparkDraft, draft_ids), exactly as exported."""
+    folder = Path(folder)
+    doc = read_json(folder / "config.json")
+    where = folder / "config.json"
+    if doc.get("speculators_model_type") != "dspark":
+        raise DataError(f"{where}: speculators_model_type is not 'dspark'")
+    if doc.get("sample_from_anchor") is False:
+        raise DataError(f"{where}: sample_from_anchor false (DFlash-style blocks) is not supported")
+    try:
+        layer_cfg = doc["transformer_layer_config"]
+        shape = LayerShape.from_hf(layer_cfg)
+        vocab = int(layer_cfg["vocab_size"])
+        cfg = DSparkConfig(
+            layer=shape,
+            num_layers=int(layer_cfg["num_hidden_layers"]),
+            block_size=int(doc["block_size"]),
+            aux_layers=tuple(int(i) - 1 for i in doc["aux_hidden_state_layer_ids"]),
+            vocab_size=vocab,
+            draft_vocab_size=int(doc["draft_vocab_size"]),
+            mask_token_id=int(doc["mask_token_id"]),
+            markov_rank=int(doc.get("markov_rank", 256)),
+            markov_head=doc.get("markov_head_type", "vanilla"),
+            confidence_head=bool(doc.get("enable_confidence_head", True)),
+            confidence_with_markov=bool(doc.get("confidence_head_with_markov", True)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{where}: malformed speculators config ({e})") from None
+    if embed.weight.shape != (cfg.vocab_size, shape.hidden_size):
+        raise DataError(
+            f"{where}: draft for vocab {cfg.vocab_size} x hidden {shape.hidden_size}, target "
+            f"embedding is {list(embed.weight.shape)}"
+        )
+    tensors = load_tensors(folder / "model.safetensors")
+    d2t = tensors.pop("d2t", None)
+    tensors.pop("t2d", None)
+    if cfg.draft_vocab_size != cfg.vocab_size:
+        if d2t is None or "lm_head.weight" not in tensors:
+            raise DataError(f"{folder}: a reduced vocabulary needs d2t and lm_head.weight")
+        draft_ids = torch.arange(cfg.draft_vocab_size) + d2t
+    else:
+        draft_ids = torch.arange(cfg.vocab_size)
+        tensors["lm_head.weight"] = lm_head.weight.detach().clone()
+    model = DSparkDraft(cfg, embed, tensors["lm_head.weight"])
+    load_state(model, tensors, folder / "model.safetensors")
+    return model, draft_ids
+
+
+def roundtrip_diff(a: DSparkDraft, b: DSparkDraft, seed: int = 0) -> float:
+    """Max |logit difference| of two drafts on one random sequence with every slot drafting."""
+    cfg = a.cfg
+    gen = torch.Generator().manual_seed(seed)
+    s = 4 * cfg.block_size
+    ids = torch.randint(0, cfg.vocab_size, (1, s), generator=gen)
+    aux = torch.randn(1, s, len(cfg.aux_layers) * cfg.layer.hidden_size, generator=gen)
+    anchors = torch.arange(1, s - cfg.block_size, 3)[None]
+    with torch.no_grad():
+        la, ca = a.forward_train(ids, aux, anchors)
+        lb, cb = b.forward_train(ids, aux, anchors)  # [N, K, d], [N, K]
+    diff = (la - lb).abs().max()
+    if ca is not None:
+        diff = torch.maximum(diff, (ca - cb).abs().max())
+    return float(diff)
+
+
+def export_stage(params, *, drafts_dir: Path, target_dir: Path, out_dir: Path) -> dict:
+    """The export stage: the trained DSpark draft as a speculators folder, re-imported and
+    checked against the original."""
+    from dspark.models.target import load_target, read_manifest
+    from dspark.train.checkpoint import load_draft
+
+    target = load_target(target_dir, params.target.dtype, params.target.max_context)
+    model, draft_ids = load_draft(Path(drafts_dir) / "dspark", target.embed)
+    info = read_manifest(target_dir)
+    verifier = (
+        params.export.verifier_name_or_path
+        or (info.get("path") if info.get("kind") == "folder" else None)
+        or (info.get("source") if info.get("kind") == "hub" else str(Path(target_dir).resolve()))
+    )
+    doc = export_speculators(
+        model,
+        draft_ids,
+        out_dir,
+        verifier_config=target.model.config.to_dict(),
+        verifier_path=verifier,
+    )
+    back, back_ids = import_speculators(out_dir, target.embed, target.lm_head)
+    return {
+        "format": params.export.format,
+        "speculators_version": SPECULATORS_VERSION,
+        "verifier": verifier,
+        "draft_vocab_size": doc["draft_vocab_size"],
+        "speculative_tokens": doc["block_size"],
+        "bytes": sum(f.stat().st_size for f in Path(out_dir).iterdir()),
+        "roundtrip_vocab_equal": bool(torch.equal(back_ids, draft_ids)),
+        "roundtrip_max_abs_diff": roundtrip_diff(model, back),
+    }

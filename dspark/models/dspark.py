@@ -1,0 +1,289 @@
+"""The DSpark draft: a block-parallel backbone (from DFlash), a low-rank Markov head and a
+confidence head.
+
+A block for anchor position p holds the anchor token x_p in slot 0 and `mask_token_id` in slots
+1..B-1, at positions p..p+B-1. Every slot sees the target's context features at positions < p and
+every slot of its own block (bidirectional), nothing else. Slot k predicts token p+k+1 (all B
+slots draft: speculators' `sample_from_anchor`), so one backbone pass proposes B tokens.
+
+    context   ctx = hidden_norm(fc(concat(aux hidden states)))     [S, H], fed to every layer
+    layer     Qwen3-style: q from the block only, k/v from [ctx; block], q_norm/k_norm per head
+    logits    lm_head(norm(h))                                     lm_head = the target's rows
+    Markov    logits[k] += W2 . f(W1[x_{p+k}], h_k, state)         vanilla | gated | rnn
+    confidence sigmoid(proj([h_k; W1[x_{p+k}]])) ~ P(slot k accepted)
+
+Parameter names match speculators' DSparkDraftModel, so export is a copy plus a config.json.
+The target's embeddings and lm_head are frozen and held outside the module's state (never saved).
+
+Shape glossary: B batch, S context, A anchors, K block size, Q = A*K queries, H hidden, r Markov
+rank, d draft vocabulary, V target vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.layers import MLP, LayerShape, RMSNorm, apply_rope, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    layer: LayerShape
+    num_layers: int
+    block_size: int
+    aux_layers: tuple[int, ...]  # decoder layers whose outputs are fused (ours: output of layer i)
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    mask_token_id: int
+    markov_rank: int = 256
+    markov_head: str = "vanilla"
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "kind": "dspark", "aux_layers": list(self.aux_layers)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DSparkConfig:
+        d = {k: v for k, v in d.items() if k != "kind"}
+        return cls(**{**d, "layer": LayerShape(**d["layer"]), "aux_layers": tuple(d["aux_layers"])})
+
+
+class BlockAttention(nn.Module):
+    """Queries from the block; keys and values from the context features and the block."""
+
+    def __init__(self, s: LayerShape):
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+        self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, Q, H] normed block states
+        ctx: torch.Tensor,  # [B, S, H] context features
+        rope_q: tuple[torch.Tensor, torch.Tensor],  # [B, Q, d] at the block positions
+        rope_kv: tuple[torch.Tensor, torch.Tensor],  # [B, S+Q, d] context then block
+        mask: torch.Tensor,  # [B, Q, S+Q] bool
+    ) -> torch.Tensor:
+        s = self.s
+        b, q_len, _ = x.shape
+        kv_in = torch.cat((ctx, x), dim=1)
+        m = kv_in.shape[1]
+        q = self.q_norm(self.q_proj(x).view(b, q_len, s.num_heads, s.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(b, m, s.num_kv_heads, s.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, m, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        q = apply_rope(q, *rope_q)
+        k = apply_rope(k, *rope_kv)
+        groups = s.num_heads // s.num_kv_heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DSparkLayer(nn.Module):
+    def __init__(self, s: LayerShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = BlockAttention(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = MLP(s)
+
+    def forward(self, x, ctx, rope_q, rope_kv, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MarkovHead(nn.Module):
+    """A low-rank bias on slot k's logits from the token before it (x_{p+k})."""
+
+    def __init__(self, vocab: int, draft_vocab: int, rank: int, hidden: int, kind: str):
+        super().__init__()
+        if kind not in ("vanilla", "gated", "rnn"):
+            raise ValueError(f"markov_head: unknown variant {kind!r}")
+        self.kind = kind
+        self.rank = rank
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        nn.init.normal_(self.markov_w1.weight, std=0.01)
+        self.markov_w2 = nn.Linear(rank, draft_vocab, bias=False)
+        if kind == "gated":
+            self.gate_proj = nn.Linear(hidden + rank, rank)
+        elif kind == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden, 3 * rank)  # [gate; candidate; out]
+
+    def step(
+        self, prev: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One slot: prev [N] token ids, hidden [N, H] -> bias [N, d], next rnn state."""
+        e = self.markov_w1(prev)  # [N, r]
+        if self.kind == "vanilla":
+            return self.markov_w2(e), None
+        if self.kind == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat((hidden, e), dim=-1)))
+            return self.markov_w2(gate * e), None
+        if state is None:
+            state = e.new_zeros(e.shape[0], self.rank)
+        gate_raw, cand_raw, out_raw = self.joint_proj(torch.cat((state, e, hidden), -1)).chunk(
+            3, -1
+        )
+        gate = torch.sigmoid(gate_raw)
+        state = gate * state + (1.0 - gate) * torch.tanh(cand_raw)
+        return self.markov_w2(torch.tanh(out_raw)), state
+
+    def block_bias(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced: prev [N, K] ids, hidden [N, K, H] -> [N, K, d]."""
+        if self.kind == "vanilla":
+            return self.markov_w2(self.markov_w1(prev))
+        if self.kind == "gated":
+            e = self.markov_w1(prev)
+            return self.markov_w2(torch.sigmoid(self.gate_proj(torch.cat((hidden, e), -1))) * e)
+        state, out = None, []
+        for k in range(prev.shape[1]):
+            bias, state = self.step(prev[:, k], hidden[:, k], state)
+            out.append(bias)
+        return torch.stack(out, dim=1)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, in_features: int):
+        super().__init__()
+        self.proj = nn.Linear(in_features, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.proj(features).squeeze(-1)
+
+
+class DSparkDraft(nn.Module):
+    def __init__(self, cfg: DSparkConfig, embed: nn.Embedding, lm_head_rows: torch.Tensor):
+        """`embed`: the target's (frozen, shared, never saved); `lm_head_rows` [d, H]: the target
+        lm_head's rows for the draft vocabulary (frozen; saved, as speculators does, because a
+        runtime cannot derive a reduced head from the full one)."""
+        super().__init__()
+        s = cfg.layer
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.aux_layers) * s.hidden_size, s.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.layers = nn.ModuleList(DSparkLayer(s) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.lm_head = nn.Linear(s.hidden_size, cfg.draft_vocab_size, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head_rows)
+        self.lm_head.requires_grad_(False)
+        self.markov_head = (
+            MarkovHead(
+                cfg.vocab_size,
+                cfg.draft_vocab_size,
+                cfg.markov_rank,
+                s.hidden_size,
+                cfg.markov_head,
+            )
+            if cfg.markov_rank > 0
+            else None
+        )
+        self.confidence_head = None
+        if cfg.confidence_head:
+            if cfg.confidence_with_markov and self.markov_head is None:
+                raise ValueError("confidence_with_markov needs markov_rank > 0")
+            extra = cfg.markov_rank if cfg.confidence_with_markov else 0
+            self.confidence_head = ConfidenceHead(s.hidden_size + extra)
+        self.frozen = {"embed": embed}  # a plain dict: not a submodule, so never saved or trained
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self.frozen["embed"]
+
+    # --- the backbone -----------------------------------------------------------------------
+
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        """[B, S, L*H] target features -> [B, S, H]."""
+        return self.hidden_norm(self.fc(aux))
+
+    def backbone(
+        self,
+        ctx: torch.Tensor,  # [B, S, H]
+        anchor_ids: torch.Tensor,  # [B, A] the anchor tokens
+        anchors: torch.Tensor,  # [B, A] their positions
+        ctx_len: torch.Tensor | None = None,  # [B] context length per row (default: all of S)
+    ) -> torch.Tensor:
+        """-> normed hidden states [B, A, K, H] for every slot of every block."""
+        b, s, _ = ctx.shape
+        a = anchors.shape[1]
+        k = self.cfg.block_size
+        sh = self.cfg.layer
+        dev = ctx.device
+        slot = torch.arange(k, device=dev)
+        block_ids = torch.full((b, a, k), self.cfg.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[:, :, 0] = anchor_ids
+        x = self.embed(block_ids).view(b, a * k, -1)  # [B, Q, H]
+        block_pos = (anchors[:, :, None] + slot).view(b, a * k)  # [B, Q]
+        ctx_pos = torch.arange(s, device=dev).expand(b, s)
+        rope_q = rope_cos_sin(block_pos, sh.head_dim, sh.rope_theta)
+        rope_kv = rope_cos_sin(torch.cat((ctx_pos, block_pos), 1), sh.head_dim, sh.rope_theta)
+        mask = block_mask(anchors, k, s, ctx_len)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_kv, mask)
+        return self.norm(x).view(b, a, k, -1)
+
+    # --- heads ------------------------------------------------------------------------------
+
+    def heads(
+        self, hidden: torch.Tensor, prev: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Teacher-forced heads. hidden [N, K, H], prev [N, K] (the token before each slot's)
+        -> logits [N, K, d] with the Markov bias, confidence logits [N, K] or None."""
+        logits = self.lm_head(hidden)
+        conf = None
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.block_bias(prev, hidden)
+        if self.confidence_head is not None:
+            feats = hidden
+            if self.cfg.confidence_with_markov:
+                feats = torch.cat((hidden, self.markov_head.markov_w1(prev)), dim=-1)
+            conf = self.confidence_head(feats)
+        return logits, conf
+
+    def forward_train(
+        self,
+        input_ids: torch.Tensor,  # [B, S] int64
+        aux: torch.Tensor,  # [B, S, L*H]
+        anchors: torch.Tensor,  # [B, A] int64 anchor positions
+        keep: torch.Tensor | None = None,  # [B, A] bool: real anchors (the rest is padding)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All blocks of every sequence in one pass -> logits [N, K, d] and confidence logits
+        [N, K] for the N kept anchors (row-major), so padding never reaches the heads.
+
+        Slot k's Markov input is the true token x_{p+k} (teacher forcing)."""
+        b, s = input_ids.shape
+        k = self.cfg.block_size
+        if keep is None:
+            keep = torch.ones_like(anchors, dtype=torch.bool)
+        rows = torch.arange(b, device=input_ids.device)[:, None]
+        hidden = self.backbone(self.context(aux), input_ids[rows, anchors], anchors)
+        idx = (anchors[:, :, None] + torch.arange(k, device=anchors.device)).clamp_max(s - 1)
+        prev = input_ids[rows[:, :, None], idx]  # [B, A, K]
+        return self.heads(hidden[keep], prev[keep])
+
+
+def block_mask(
+    anchors: torch.Tensor, block_size: int, ctx_len: int, valid_ctx: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, A*K, S + A*K] bool: slot -> (context position < its anchor) | (its own block)."""
+    b, a = anchors.shape
+    dev = anchors.device
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [B, Q]
+    ctx_pos = torch.arange(ctx_len, device=dev)
+    sees_ctx = ctx_pos[None, None, :] < q_anchor[:, :, None]  # [B, Q, S]
+    if valid_ctx is not None:
+        sees_ctx &= ctx_pos[None, None, :] < valid_ctx[:, None, None]
+    q_block = torch.arange(a * block_size, device=dev) // block_size
+    same_block = (q_block[:, None] == q_block[None, :]).expand(b, -1, -1)  # [B, Q, Q]
+    return torch.cat((sees_ctx, same_block), dim=2)

@@ -1,0 +1,136 @@
+"""Llama building blocks the drafts share: RMSNorm, rotary embeddings, attention with separate
+query and key/value inputs, the SwiGLU MLP.
+
+The attention takes its queries and its keys/values from different tensors because both drafts
+need it: a DSpark block queries from its slots but reads keys and values from the target's
+context features and the block itself; an EAGLE-3 step reads the cache of earlier steps. Masks
+are explicit booleans (True = may attend), so every pattern is visible where it is built.
+
+Shape glossary: N queries, M keys, H hidden, nh / nkv heads, d head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What a Llama decoder layer needs to know; read from the target's config.json."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+
+    @classmethod
+    def from_hf(cls, config: dict) -> LayerShape:
+        rope = config.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        scaling = config.get("rope_scaling") or {}
+        kind = rope.get("rope_type") or scaling.get("rope_type") or "default"
+        if kind != "default":
+            raise ValueError(f"rope_type {kind!r} is not supported by the draft layers")
+        heads = int(config["num_attention_heads"])
+        return cls(
+            hidden_size=int(config["hidden_size"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            intermediate_size=int(config["intermediate_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            max_position=int(config.get("max_position_embeddings", 2048)),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [..., T] -> cos, sin [..., T, d], Llama's half-split layout."""
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    )
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, d]; cos/sin [B, T, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, s: LayerShape, in_features: int | None = None):
+        super().__init__()
+        self.s = s
+        d_in = in_features or s.hidden_size
+        self.q_proj = nn.Linear(d_in, s.num_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(d_in, s.num_kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(d_in, s.num_kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+
+    def project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, M, in] -> k, v [B, nkv, M, d], k rotated."""
+        b, m, _ = x.shape
+        k = self.k_proj(x).view(b, m, self.s.num_kv_heads, self.s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, m, self.s.num_kv_heads, self.s.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, N, in] queries' input
+        cos: torch.Tensor,  # [B, N, d] at the queries' positions
+        sin: torch.Tensor,
+        k: torch.Tensor,  # [B, nkv, M, d]
+        v: torch.Tensor,
+        mask: torch.Tensor,  # [B, N, M] or [N, M] bool, True = may attend
+    ) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.s.num_heads, self.s.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        groups = self.s.num_heads // self.s.num_kv_heads
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+        if mask.dim() == 3:
+            mask = mask[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nh, N, d]
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: LayerShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

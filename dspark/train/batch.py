@@ -1,0 +1,84 @@
+"""From streamed samples to what both drafts train on: padded tensors plus the target's own
+next-token distribution over the draft vocabulary, rebuilt with the frozen final norm and lm_head
+from the last layer's hidden states (the stream carries hidden states, not logits).
+
+Shape glossary: B samples, S padded length, L aux layers, H hidden, d draft vocabulary.
+Position t's target distribution is the target's prediction of token t+1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dspark.schema import Sample
+
+
+@dataclass
+class Batch:
+    sample_ids: list[int]
+    input_ids: torch.Tensor  # [B, S] int64, 0-padded
+    lengths: torch.Tensor  # [B]
+    aux: torch.Tensor  # [B, S, L*H] float32: the aux layers' hidden states, concatenated
+    valid: torch.Tensor  # [B, S] bool: token t+1 exists and is a response (loss-masked) token
+    labels: torch.Tensor  # [B, S] int64: the target's greedy token at t (draft index), -1 unused
+    p_target: torch.Tensor  # [B, S, d] float32: target probabilities of the draft tokens at t
+
+    @property
+    def tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def size(self) -> int:
+        return len(self.sample_ids)
+
+
+class TargetHead(nn.Module):
+    """The target's frozen final norm and lm_head, restricted to the draft vocabulary on output."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, draft_ids: torch.Tensor):
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+        self.register_buffer("draft_ids", draft_ids.to(torch.int64), persistent=False)
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def probs(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] pre-norm last-layer states -> [T, d] target probabilities of the draft tokens."""
+        logits = self.lm_head(self.norm(last_hidden.float()))  # [T, V]
+        return torch.softmax(logits, dim=-1)[:, self.draft_ids]
+
+
+def collate(samples: list[Sample], head: TargetHead) -> Batch:
+    """Pad, concatenate aux layers, and attach the target's distributions where supervised."""
+    b = len(samples)
+    s = max(x.num_tokens for x in samples)
+    num_aux, _, h = samples[0].aux_hidden.shape
+    d = head.draft_ids.numel()
+    input_ids = torch.zeros(b, s, dtype=torch.int64)
+    aux = torch.zeros(b, s, num_aux * h)
+    valid = torch.zeros(b, s, dtype=torch.bool)
+    labels = torch.full((b, s), -1, dtype=torch.int64)
+    p_target = torch.zeros(b, s, d)
+    for i, x in enumerate(samples):
+        n = x.num_tokens
+        ids = x.input_ids.to(torch.int64)
+        input_ids[i, :n] = ids
+        aux[i, :n] = x.aux_hidden.float().permute(1, 0, 2).reshape(n, num_aux * h)
+        valid[i, : n - 1] = x.loss_mask[1:]
+        where = valid[i].nonzero()[:, 0]  # only supervised positions need the lm_head
+        if where.numel():
+            p_target[i, where] = probs = head.probs(x.last_hidden[where])
+            labels[i, where] = probs.argmax(-1)
+    return Batch(
+        sample_ids=[x.sample_id for x in samples],
+        input_ids=input_ids,
+        lengths=torch.tensor([x.num_tokens for x in samples]),
+        aux=aux,
+        valid=valid,
+        labels=labels,
+        p_target=p_target,
+    )

@@ -1,0 +1,156 @@
+"""Draft checkpoints: safetensors for tensors, JSON for everything else. Nothing is pickled, so
+loading a checkpoint never runs code from it.
+
+A draft folder holds `model.safetensors` (the trainable weights, the frozen lm_head rows and the
+draft vocabulary as `draft_ids`) and `config.json` (architecture, vocabulary size, provenance).
+A training checkpoint adds each draft's optimizer state and `state.json` (where the run is).
+Folders are written under a temporary name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dspark.errors import DataError
+from dspark.io import write_json
+from dspark.models.dspark import DSparkConfig, DSparkDraft
+from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
+
+FORMAT = "dspark-draft"
+FORMAT_VERSION = 1
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing") from None
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: missing") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: malformed JSON") from None
+
+
+def save_draft(folder: Path, model: nn.Module, draft_ids: torch.Tensor, extra: dict) -> None:
+    """Write one draft into `folder` (an existing, empty, temporary folder)."""
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors["draft_ids"] = draft_ids.to(torch.int64).contiguous()
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": FORMAT})
+    write_json(
+        folder / CONFIG,
+        {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model.cfg.to_dict(), **extra},
+    )
+
+
+def read_draft_config(folder: Path) -> DSparkConfig | Eagle3Config:
+    doc = read_json(Path(folder) / CONFIG)
+    if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{folder / CONFIG}: not a {FORMAT} v{FORMAT_VERSION} checkpoint")
+    model = doc.get("model") or {}
+    try:
+        if model.get("kind") == "dspark":
+            return DSparkConfig.from_dict(model)
+        if model.get("kind") == "eagle3":
+            return Eagle3Config.from_dict(model)
+    except (TypeError, KeyError) as e:
+        raise DataError(f"{folder / CONFIG}: model: malformed ({e})") from None
+    raise DataError(f"{folder / CONFIG}: model.kind: expected 'dspark' or 'eagle3'")
+
+
+def load_draft(
+    folder: Path, embed: nn.Embedding, lm_head: nn.Module | None = None
+) -> tuple[DSparkDraft | Eagle3Draft, torch.Tensor]:
+    """Rebuild a draft around the target's frozen embedding; check it fits that target."""
+    folder = Path(folder)
+    cfg = read_draft_config(folder)
+    vocab, hidden = embed.weight.shape
+    if cfg.vocab_size != vocab:
+        raise DataError(
+            f"{folder}: draft built for a {cfg.vocab_size}-token vocabulary, target has {vocab}"
+        )
+    if cfg.layer.hidden_size != hidden:
+        raise DataError(f"{folder}: draft hidden size {cfg.layer.hidden_size}, target has {hidden}")
+    tensors = load_tensors(folder / WEIGHTS)
+    draft_ids = tensors.pop("draft_ids", None)
+    if draft_ids is None or draft_ids.numel() != cfg.draft_vocab_size:
+        raise DataError(f"{folder / WEIGHTS}: draft_ids missing or not {cfg.draft_vocab_size} long")
+    if isinstance(cfg, DSparkConfig):
+        rows = tensors.get("lm_head.weight")
+        if rows is None:
+            raise DataError(f"{folder / WEIGHTS}: lm_head.weight missing")
+        model: nn.Module = DSparkDraft(cfg, embed, rows)
+    else:
+        model = Eagle3Draft(cfg, embed)
+    load_state(model, tensors, folder / WEIGHTS)
+    return model, draft_ids
+
+
+def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """load_state_dict with one-line errors that name the first bad tensor."""
+    own = model.state_dict()
+    missing = sorted(own.keys() - tensors.keys())
+    extra = sorted(tensors.keys() - own.keys())
+    if missing or extra:
+        what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+        raise DataError(f"{where}: does not match the model ({what})")
+    for name, t in tensors.items():
+        if t.shape != own[name].shape:
+            raise DataError(
+                f"{where}: {name}: shape {list(t.shape)}, model expects {list(own[name].shape)}"
+            )
+    model.load_state_dict(tensors)
+
+
+# --- optimizer state --------------------------------------------------------------------------
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, torch.Tensor]:
+    """AdamW state as flat named tensors. `names`: id(param) -> parameter name."""
+    out = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for key, value in opt.state.get(p, {}).items():
+                out[f"{names[id(p)]}::{key}"] = value.detach().clone().contiguous()
+    return out
+
+
+def load_optimizer(
+    opt: torch.optim.Optimizer, names: dict[int, str], tensors: dict[str, torch.Tensor], where: Path
+) -> None:
+    by_name: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        name, _, field = key.partition("::")
+        by_name.setdefault(name, {})[field] = value
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = by_name.get(names[id(p)])
+            if state is None:
+                raise DataError(f"{where}: no optimizer state for {names[id(p)]}")
+            opt.state[p] = {k: v.clone() for k, v in state.items()}
+
+
+def save_optimizer(path: Path, opt: torch.optim.Optimizer, names: dict[int, str]) -> None:
+    save_file(optimizer_tensors(opt, names), str(path), metadata={"format": FORMAT})
+
+
+def read_optimizer(path: Path) -> dict[str, torch.Tensor]:
+    return load_tensors(path)
+
+
+def read_state(folder: Path) -> dict:
+    return read_json(Path(folder) / "state.json")

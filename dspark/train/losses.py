@@ -1,0 +1,131 @@
+"""Per-slot losses and the simulated acceptance both drafts are trained and judged by.
+
+A "slot" is one drafted position: DSpark slot k of an anchor's block, or EAGLE-3 step k of a
+position's unrolled training-time test. Everything here works on the draft vocabulary; the
+target's probability mass outside it counts as mass the draft can never match.
+
+Shape glossary: N anchors (or positions), K slots, d draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    ce: float = 0.1  # cross-entropy on the target's greedy token (speculators' `ce`)
+    tv: float = 0.9  # total variation to the target's distribution
+    kl: float = 0.0  # forward KL to the target's distribution (EAGLE-3's loss)
+    gamma: float | None = 4.0  # slot k weighs exp(-k / gamma); None: no decay
+    decay: float | None = None  # slot k weighs decay**k (EAGLE-3's form); exclusive with gamma
+    confidence: float = 0.0
+
+    def slot_weights(self, k: int) -> torch.Tensor:
+        idx = torch.arange(k, dtype=torch.float32)
+        if self.decay is not None:
+            return self.decay**idx
+        if self.gamma is not None:
+            return torch.exp(-idx / self.gamma)
+        return torch.ones(k)
+
+
+def supervised_prefix(valid: torch.Tensor) -> torch.Tensor:
+    """[N, K] bool: slot k counts only while every slot up to k is valid."""
+    return valid.to(torch.int64).cumprod(dim=-1).to(torch.bool)
+
+
+def acceptance(p_draft_vocab: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """sum_v min(p(v), q(v)): the chance a speculatively sampled token is accepted.
+
+    p_draft_vocab [N, K, d]: the target's probabilities of the draft tokens (they need not sum to
+    1); q [N, K, d]: the draft's distribution. -> [N, K].
+    """
+    return torch.minimum(p_draft_vocab, q).sum(-1)
+
+
+def slot_losses(
+    logits: torch.Tensor,  # [N, K, d] draft logits
+    p_target: torch.Tensor,  # [N, K, d] target probabilities of the draft tokens
+    labels: torch.Tensor,  # [N, K] the target's greedy token (draft index)
+    valid: torch.Tensor,  # [N, K] bool: slot has a supervised label
+    w: LossWeights,
+    confidence_logits: torch.Tensor | None = None,  # [N, K]
+) -> dict[str, torch.Tensor]:
+    """Weighted CE + TV (+ confidence BCE), with the acceptance each slot would get."""
+    k = logits.shape[1]
+    mask = supervised_prefix(valid)
+    logq = F.log_softmax(logits.float(), dim=-1)
+    q = logq.exp()
+    accept = acceptance(p_target, q)  # [N, K]
+    # TV over the full vocabulary: mass the draft vocabulary lacks is all mismatch.
+    outside = (1.0 - p_target.sum(-1)).clamp_min(0.0)
+    tv = 0.5 * ((p_target - q).abs().sum(-1) + outside)
+    has_label = mask & (labels >= 0)
+    ce = -logq.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+    ce = torch.where(has_label, ce, torch.zeros_like(ce))
+
+    weights = w.slot_weights(k).to(logits.device)[None, :] * mask  # [N, K]
+    norm = weights.sum().clamp_min(1e-6)
+    loss_ce = (ce * weights).sum() / norm
+    loss_tv = (tv * weights).sum() / norm
+    loss = w.ce * loss_ce + w.tv * loss_tv
+    out = {"loss_ce": loss_ce, "loss_tv": loss_tv}
+    if w.kl:
+        p_hat = p_target / p_target.sum(-1, keepdim=True).clamp_min(1e-12)
+        kl = (p_hat * (p_hat.clamp_min(1e-12).log() - logq)).sum(-1)
+        out["loss_kl"] = loss_kl = (kl * weights).sum() / norm
+        loss = loss + w.kl * loss_kl
+    if confidence_logits is not None:
+        bce = F.binary_cross_entropy_with_logits(
+            confidence_logits.float(), accept.detach(), reduction="none"
+        )
+        loss_conf = (bce * mask).sum() / mask.sum().clamp_min(1)
+        loss = loss + w.confidence * loss_conf
+        out["loss_confidence"] = loss_conf
+    out["loss"] = loss
+    out["accept"] = accept.detach()
+    out["mask"] = mask
+    return out
+
+
+@dataclass
+class AcceptanceStats:
+    """Running sums behind tau_sim and the per-slot acceptance."""
+
+    k: int
+    accept_sum: torch.Tensor | None = None  # [K]
+    slot_count: torch.Tensor | None = None  # [K]
+    tau_sum: float = 0.0
+    blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.accept_sum = torch.zeros(self.k, dtype=torch.float64)
+        self.slot_count = torch.zeros(self.k, dtype=torch.float64)
+
+    def add(self, accept: torch.Tensor, mask: torch.Tensor) -> None:
+        accept, mask = accept.detach().double(), mask.detach()
+        self.accept_sum += (accept * mask).sum(0)
+        self.slot_count += mask.sum(0)
+        full = mask.all(-1)  # tau_sim only over blocks supervised in every slot
+        if full.any():
+            self.tau_sum += float(tau_sim(accept[full]).sum())
+            self.blocks += int(full.sum())
+
+    @property
+    def pos_accept(self) -> list[float]:
+        rate = self.accept_sum / self.slot_count.clamp_min(1)
+        return [round(float(x), 4) for x in rate]
+
+    @property
+    def tau(self) -> float:
+        return self.tau_sum / self.blocks if self.blocks else math.nan
+
+
+def tau_sim(accept: torch.Tensor) -> torch.Tensor:
+    """[N, K] acceptance -> [N]: 1 + sum_k prod_{j<=k} accept_j, the expected tokens per step."""
+    return 1.0 + accept.cumprod(dim=-1).sum(-1)

@@ -1,0 +1,85 @@
+"""How each draft turns a batch into a loss: which positions it drafts from and what each slot
+is measured against.
+
+Both drafts draft from the same kind of position: an anchor p whose token x_p and successor
+x_{p+1} are both response tokens (the anchor plays the bonus token the target just emitted, the
+context is everything before it). Slot k then predicts x_{p+k+1}, judged against the target's own
+distribution at position p+k. DSpark samples up to `max_anchors` such positions per sequence;
+EAGLE-3 unrolls from every one of them, as its training-time test does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.models.dspark import DSparkDraft
+from dspark.models.eagle3 import Eagle3Draft
+from dspark.train.batch import Batch
+from dspark.train.losses import LossWeights, slot_losses
+
+
+def anchor_candidates(batch: Batch) -> torch.Tensor:
+    """[B, S] bool: x_p and x_{p+1} are response tokens (valid[t] says x_{t+1} is one)."""
+    cand = batch.valid.clone()
+    cand[:, 1:] &= batch.valid[:, :-1]
+    cand[:, 0] = False
+    return cand
+
+
+def pick_anchors(
+    cand: torch.Tensor, max_anchors: int | None, gen: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `max_anchors` candidates per row, uniformly without replacement, sorted.
+
+    -> positions [B, A] (padding 0) and a validity mask [B, A]. None keeps every candidate."""
+    rows = []
+    for row in cand:
+        idx = row.nonzero()[:, 0]
+        if max_anchors is not None and idx.numel() > max_anchors:
+            keep = torch.randperm(idx.numel(), generator=gen)[:max_anchors]
+            idx = idx[keep].sort().values
+        rows.append(idx)
+    width = max(1, max(r.numel() for r in rows))
+    anchors = torch.zeros(len(rows), width, dtype=torch.int64)
+    ok = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, idx in enumerate(rows):
+        anchors[i, : idx.numel()] = idx
+        ok[i, : idx.numel()] = True
+    return anchors, ok
+
+
+def gather_slots(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, k: int):
+    """Per slot (anchor a, slot j -> position p_a + j): target probs, labels and validity,
+    flattened to [N, K, ...] over the valid anchors only."""
+    s = batch.input_ids.shape[1]
+    pos = anchors[:, :, None] + torch.arange(k)  # [B, A, K]
+    inside = pos < s
+    pos = pos.clamp_max(s - 1)
+    rows = torch.arange(anchors.shape[0])[:, None, None]
+    valid = batch.valid[rows, pos] & inside & ok[:, :, None]
+    return batch.p_target[rows, pos][ok], batch.labels[rows, pos][ok], valid[ok]
+
+
+@dataclass(frozen=True)
+class DSparkObjective:
+    weights: LossWeights
+    max_anchors: int | None = 512
+
+    def __call__(self, model: DSparkDraft, batch: Batch, gen: torch.Generator | None) -> dict:
+        anchors, ok = pick_anchors(anchor_candidates(batch), self.max_anchors, gen)
+        logits, conf = model.forward_train(batch.input_ids, batch.aux, anchors, ok)
+        p, labels, valid = gather_slots(batch, anchors, ok, model.cfg.block_size)
+        return slot_losses(logits, p, labels, valid, self.weights, conf)
+
+
+@dataclass(frozen=True)
+class Eagle3Objective:
+    weights: LossWeights
+
+    def __call__(self, model: Eagle3Draft, batch: Batch, gen: torch.Generator | None) -> dict:
+        chains, ok = pick_anchors(anchor_candidates(batch), None, None)
+        logits = model.forward_ttt(batch.input_ids, batch.aux, chains, ok)  # [N, K, d]
+        p, labels, valid = gather_slots(batch, chains, ok, model.cfg.ttt_steps)
+        return slot_losses(logits, p, labels, valid, self.weights)

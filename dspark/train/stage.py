@@ -1,0 +1,328 @@
+"""The train stage: the DSpark draft and the EAGLE-3 baseline trained side by side on the same
+hidden states, then written as draft folders with their curves and metrics.
+
+    online   (extract.mode online) the trainer consumes the Mooncake stream itself
+    offline  (offline, hybrid)     the trainer reads the extract stage's hidden-state shards
+"""
+
+from __future__ import annotations
+
+import csv
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.config import Params
+from dspark.data.shards import iter_samples
+from dspark.data.shards import read_manifest as read_token_manifest
+from dspark.errors import ConfigError
+from dspark.extract.capture import resolve_aux_layers
+from dspark.io import atomic_dir, atomic_path
+from dspark.metrics import EventLog
+from dspark.models.dspark import DSparkConfig, DSparkDraft
+from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
+from dspark.models.layers import LayerShape
+from dspark.models.target import Target, load_target, read_manifest, set_threads
+from dspark.models.vocab import build_draft_ids, count_tokens
+from dspark.train.batch import TargetHead
+from dspark.train.checkpoint import save_draft
+from dspark.train.losses import LossWeights
+from dspark.train.objectives import DSparkObjective, Eagle3Objective
+from dspark.train.sources import open_source, split_eval
+from dspark.train.trainer import DraftRun, Trainer, fingerprint
+
+# Markov ablation: name -> (rank, variant); the main `dspark` run is the vanilla one.
+ABLATION = {"dspark_gated": (None, "gated"), "dspark_rnn": (None, "rnn"), "dspark_rank0": (0, None)}
+
+
+@dataclass(frozen=True)
+class TrainPaths:
+    target: Path
+    shards: Path
+    hidden: Path
+    drafts: Path  # one folder per draft
+    checkpoint: Path
+    curves_csv: Path
+    curves_png: Path
+    events: Path | None = None
+
+
+def resolve_mask_token(requested: int | None, target: Target, counts: torch.Tensor) -> int:
+    """`requested`, or the first special token the training responses never use."""
+    if requested is not None:
+        if not 0 <= requested < target.vocab_size:
+            raise ConfigError(
+                f"train.dspark.mask_token_id: {requested} is outside the target's "
+                f"{target.vocab_size}-token vocabulary"
+            )
+        return requested
+    tok = target.tokenizer
+    taken = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}
+    special = sorted(getattr(tok, "added_tokens_decoder", {}) or {})
+    for tid in special:
+        if tid not in taken and int(counts[tid]) == 0:
+            return int(tid)
+    raise ConfigError("train.dspark.mask_token_id: no unused special token; set one")
+
+
+def build_runs(
+    params: Params, target: Target, draft_ids: torch.Tensor, aux_layers: list[int], mask_id: int
+) -> list[DraftRun]:
+    t = params.train
+    shape = LayerShape.from_hf(target.model.config.to_dict())
+    embed = target.embed
+    rows = target.lm_head.weight.detach()[draft_ids].clone()
+    d = t.dspark
+    base = DSparkConfig(
+        layer=shape,
+        num_layers=d.num_layers,
+        block_size=d.block_size,
+        aux_layers=tuple(aux_layers),
+        vocab_size=target.vocab_size,
+        draft_vocab_size=int(draft_ids.numel()),
+        mask_token_id=mask_id,
+        markov_rank=d.markov_rank,
+        markov_head=d.markov_head,
+        confidence_head=d.confidence_head,
+        confidence_with_markov=d.confidence_with_markov and d.markov_rank > 0,
+    )
+    dspark_weights = LossWeights(
+        ce=d.ce_weight, tv=d.tv_weight, gamma=d.gamma, confidence=d.confidence_weight
+    )
+    runs: list[DraftRun] = []
+
+    def add_dspark(name: str, cfg: DSparkConfig) -> None:
+        torch.manual_seed(t.seed)
+        model = DSparkDraft(cfg, embed, rows)
+        with torch.no_grad():
+            model.norm.weight.copy_(target.norm.weight)
+        runs.append(
+            DraftRun(
+                name=name,
+                model=model,
+                objective=DSparkObjective(dspark_weights, d.max_anchors),
+                eval_objective=DSparkObjective(dspark_weights, None),
+                optim=d.optim,
+                slots=cfg.block_size,
+            )
+        )
+
+    if "dspark" in t.drafts:
+        add_dspark("dspark", base)
+        if t.markov_ablation:
+            for name, (rank, kind) in ABLATION.items():
+                r = base.markov_rank if rank is None else rank
+                cfg = DSparkConfig(
+                    **{
+                        **base.__dict__,
+                        "markov_rank": r,
+                        "markov_head": kind or base.markov_head,
+                        "confidence_with_markov": base.confidence_with_markov and r > 0,
+                    }
+                )
+                add_dspark(name, cfg)
+    if "eagle3" in t.drafts:
+        e = t.eagle3
+        cfg = Eagle3Config(
+            layer=shape,
+            num_aux=len(aux_layers),
+            aux_layers=tuple(aux_layers),
+            vocab_size=target.vocab_size,
+            draft_vocab_size=int(draft_ids.numel()),
+            ttt_steps=e.ttt_steps or d.block_size,
+        )
+        torch.manual_seed(t.seed)
+        model = Eagle3Draft(cfg, embed)
+        model.init_from_target(target.norm, target.lm_head, draft_ids)
+        model.lm_head.requires_grad_(False)  # frozen, as speculators and DSpark keep it
+        weights = LossWeights(ce=0.0, tv=0.0, kl=1.0, gamma=None, decay=e.loss_decay)
+        runs.append(
+            DraftRun(
+                name="eagle3",
+                model=model,
+                objective=Eagle3Objective(weights),
+                eval_objective=Eagle3Objective(weights),
+                optim=e.optim,
+                slots=cfg.ttt_steps,
+            )
+        )
+    return runs
+
+
+def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
+    t = params.train
+    if params.extract.consumers != 1:
+        raise ConfigError(
+            "extract.consumers: the trainer is one consumer; multi-rank training lands with "
+            "distributed training (issue 7)"
+        )
+    set_threads(t.threads)
+    target = load_target(paths.target, params.target.dtype, params.target.max_context)
+    tokens_doc = read_token_manifest(paths.shards)
+    train_ids, eval_ids = split_eval(list(range(tokens_doc["num_samples"])), t.eval_samples)
+    held = set(eval_ids)
+    counts = count_tokens(
+        (s for s in iter_samples(paths.shards) if s.sample_id not in held), target.vocab_size
+    )
+    draft_ids = build_draft_ids(counts, t.draft_vocab_size, always=[target.eos_token_id])
+    mask_id = resolve_mask_token(t.dspark.mask_token_id, target, counts)
+    aux = resolve_aux_layers(params.extract.aux_layers, target.num_layers)
+    runs = build_runs(params, target, draft_ids, aux, mask_id)
+    head = TargetHead(target.norm, target.lm_head, draft_ids)
+    online = params.extract.mode == "online"
+
+    fp = fingerprint(
+        code_hash(),
+        params.train.model_dump(mode="json"),
+        params.extract.model_dump(mode="json", include={"aux_layers", "wire_dtype", "mode"}),
+        read_manifest(paths.target),
+        [s["sha256"] for s in tokens_doc["shards"]],
+    )
+    trainer = Trainer(
+        cfg=t,
+        runs=runs,
+        head=head,
+        draft_ids=draft_ids,
+        checkpoint_dir=paths.checkpoint,
+        fingerprint=fp,
+        events=EventLog(paths.events),
+        progress=progress,
+    )
+
+    @contextmanager
+    def source(ids: list[int]):
+        with open_source(
+            params,
+            ids,
+            target_dir=paths.target,
+            shards_dir=paths.shards,
+            hidden_dir=paths.hidden,
+            online=online,
+        ) as src:
+            yield src
+
+    loop = trainer.fit(source, train_ids, eval_ids)
+    coverage = float(counts[draft_ids].sum() / counts.sum().clamp_min(1))
+    provenance = {
+        "target": read_manifest(paths.target).get("source"),
+        "aux_layers": aux,
+        "steps": trainer.step,
+        "tokens": trainer.tokens,
+        "fingerprint": fp,
+    }
+    with atomic_dir(paths.drafts) as tmp:
+        for run in runs:
+            (tmp / run.name).mkdir()
+            save_draft(tmp / run.name, run.model, draft_ids, {"provenance": provenance})
+    write_curves(runs, paths.curves_csv, paths.curves_png)
+    return {
+        "source": "stream" if online else "shards",
+        "train_samples": len(train_ids),
+        "eval_samples": len(eval_ids),
+        "draft_vocab_size": int(draft_ids.numel()),
+        "draft_vocab_coverage": round(coverage, 4),
+        "mask_token_id": mask_id,
+        **loop,
+        **summarize(runs, trainer.tokens),
+    }
+
+
+def code_hash() -> str:
+    """The draft and trainer code: a checkpoint from other code is not resumed."""
+    import hashlib
+
+    pkg = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted([*pkg.glob("train/*.py"), *pkg.glob("models/*.py")]):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def summarize(runs: list[DraftRun], tokens: int) -> dict:
+    """Per-draft figures, the Markov ablation, and the wall-clock goal."""
+    out: dict = {}
+    for run in runs:
+        entry = {
+            "tau_sim": run.last_eval.get("tau_sim"),
+            "pos_accept": run.last_eval.get("pos_accept"),
+            "final_loss": run.last_eval.get("loss"),
+            "tokens_per_s": round(tokens / run.wall_s, 1) if run.wall_s else None,
+            "wall_s": round(run.wall_s, 2),
+            "params": sum(p.numel() for p in run.params),
+            "curve": run.curve,
+        }
+        if run.name in ABLATION:
+            out.setdefault("markov_ablation", {})[run.name.removeprefix("dspark_")] = entry
+        else:
+            out[run.name] = entry
+    if "markov_ablation" in out and "dspark" in out:
+        out["markov_ablation"]["vanilla"] = {k: v for k, v in out["dspark"].items() if k != "curve"}
+    if "dspark" in out and "eagle3" in out:
+        out["goal"] = wall_clock_goal(out["dspark"]["curve"], out["eagle3"])
+    return out
+
+
+def wall_clock_goal(dspark_curve: list[list[float]], eagle3: dict) -> dict:
+    """When DSpark reaches EAGLE-3's final tau_sim, as a share of EAGLE-3's wall time
+    (goal: at most 0.5). Linear interpolation between the held-out evaluations."""
+    target_tau = eagle3["tau_sim"]
+    start_tau = eagle3["curve"][0][2] if eagle3["curve"] else None
+    if start_tau is None or target_tau is None or target_tau - start_tau < 0.01:
+        return {
+            "eagle3_final_tau_sim": target_tau,
+            "met": None,
+            "note": "EAGLE-3 did not improve on its untrained tau_sim: nothing to compare",
+        }
+    reached = None
+    prev = None
+    for wall, _tokens, tau in dspark_curve:
+        if tau is not None and tau >= target_tau:
+            if prev is None or prev[1] >= target_tau:
+                reached = wall
+            else:
+                frac = (target_tau - prev[1]) / (tau - prev[1])
+                reached = prev[0] + frac * (wall - prev[0])
+            break
+        prev = (wall, tau)
+    ratio = (
+        round(reached / eagle3["wall_s"], 4) if reached is not None and eagle3["wall_s"] else None
+    )
+    return {
+        "eagle3_final_tau_sim": target_tau,
+        "dspark_wall_s_to_reach": None if reached is None else round(reached, 2),
+        "eagle3_wall_s": eagle3["wall_s"],
+        "ratio": ratio,
+        "met": ratio is not None and ratio <= 0.5,
+    }
+
+
+def write_curves(runs: list[DraftRun], csv_path: Path, png_path: Path) -> None:
+    """tau_sim against training tokens and against wall time, one line per draft."""
+    with atomic_path(csv_path) as tmp, tmp.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["draft", "wall_s", "tokens", "tau_sim"])
+        for run in runs:
+            for wall, tokens, tau in run.curve:
+                w.writerow([run.name, wall, tokens, tau])
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        walls, toks, taus = zip(*run.curve, strict=True) if run.curve else ([], [], [])
+        axes[0].plot(toks, taus, marker="o", ms=3, label=run.name)
+        axes[1].plot(walls, taus, marker="o", ms=3, label=run.name)
+    axes[0].set_xlabel("training tokens")
+    axes[1].set_xlabel("draft wall time (s)")
+    for ax in axes:
+        ax.set_ylabel("held-out tau_sim")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    with atomic_path(png_path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)

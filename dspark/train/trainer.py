@@ -1,0 +1,272 @@
+"""The training loop: every draft steps on the same batch, in turn, so the comparison is over
+the same tokens in the same order, timed per draft on the same (noisy, shared) machine.
+
+A draft's wall time is its own forward, backward and optimizer step plus the batch's
+preparation (padding and the target's distributions, which every draft needs). Data waiting
+and held-out evaluation are counted apart. Checkpoints hold everything a bit-exact resume needs:
+weights, AdamW state, the position in the plan and the curves so far; anchor sampling draws
+from a generator seeded by the step, so no RNG state has to be carried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
+from dspark.config import OptimConfig, TrainConfig
+from dspark.io import atomic_dir, write_json
+from dspark.metrics import EventLog
+from dspark.schema import Sample
+from dspark.train import checkpoint as ckpt
+from dspark.train.batch import Batch, TargetHead, collate
+from dspark.train.losses import AcceptanceStats
+from dspark.train.sources import Source, epoch_plan
+
+STATE = "state.json"
+
+
+def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
+    """Linear warmup over `warmup_fraction` of the steps, then the schedule to zero."""
+    warmup = math.ceil(cfg.warmup_fraction * total)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = (step - warmup) / max(1, total - warmup)
+    if cfg.schedule == "linear":
+        return cfg.lr * (1.0 - progress)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class DraftRun:
+    """One draft in training: its model, objective, optimizer and record."""
+
+    name: str
+    model: nn.Module
+    objective: Callable  # (model, batch, generator) -> slot_losses' dict
+    eval_objective: Callable
+    optim: OptimConfig
+    slots: int  # tokens drafted per step (block size or TTT depth)
+    wall_s: float = 0.0
+    curve: list[list[float]] = field(default_factory=list)  # [wall_s, tokens, tau_sim]
+    last_eval: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.names = {id(p): n for n, p in self.model.named_parameters() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=self.optim.lr,
+            betas=self.optim.betas,
+            weight_decay=self.optim.weight_decay,
+        )
+
+    def step(self, batch: Batch, step: int, total: int, seed: int, prep_s: float) -> dict:
+        self.model.train()
+        lr = lr_at(step, total, self.optim)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        gen = torch.Generator().manual_seed(seed * 7919 + step)
+        t0 = time.perf_counter()
+        out = self.objective(self.model, batch, gen)
+        self.optimizer.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        clip = self.optim.grad_clip if self.optim.grad_clip is not None else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        self.optimizer.step()
+        spent = time.perf_counter() - t0 + prep_s
+        self.wall_s += spent
+        stats = AcceptanceStats(self.slots)
+        stats.add(out["accept"], out["mask"])
+        metrics = {k: float(v.detach()) for k, v in out.items() if k.startswith("loss")}
+        metrics.update(
+            tau_sim=stats.tau,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens_per_s=batch.tokens / spent,
+            wall_s=self.wall_s,
+        )
+        for k, rate in enumerate(stats.pos_accept):
+            metrics[f"accept_{k}"] = rate
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[Batch]) -> dict:
+        self.model.eval()
+        stats = AcceptanceStats(self.slots)
+        losses = []
+        for batch in batches:
+            out = self.eval_objective(self.model, batch, None)
+            stats.add(out["accept"], out["mask"])
+            losses.append(float(out["loss"]))
+        self.last_eval = {
+            "tau_sim": round(stats.tau, 4),
+            "pos_accept": stats.pos_accept,
+            "loss": round(sum(losses) / max(1, len(losses)), 5),
+            "blocks": stats.blocks,
+        }
+        return self.last_eval
+
+
+SourceFactory = Callable[[list[int]], AbstractContextManager[Source]]
+
+
+@dataclass
+class Trainer:
+    cfg: TrainConfig
+    runs: list[DraftRun]
+    head: TargetHead
+    draft_ids: torch.Tensor
+    checkpoint_dir: Path
+    fingerprint: str  # what the run depends on; a checkpoint with another is not resumed
+    events: EventLog | None = None
+    progress: bool = True
+    step: int = 0
+    tokens: int = 0
+    data_wait_s: float = 0.0
+    eval_s: float = 0.0
+    resumed_from: int | None = None
+
+    def fit(self, open_source: SourceFactory, train_ids: list[int], eval_ids: list[int]) -> dict:
+        c = self.cfg
+        plans = [
+            epoch_plan(train_ids, e, c.seed, c.batch_size, c.shuffle_window)
+            for e in range(c.epochs)
+        ]
+        total = sum(len(p) for p in plans)
+        eval_every = max(1, total // c.eval_points)
+        epoch, start = self._resume()
+        eval_batches: list[Batch] | None = None
+        bar = tqdm(
+            total=total, initial=self.step, desc="train", unit="step", disable=not self.progress
+        )
+        t_start = time.perf_counter()
+        for e in range(epoch, c.epochs):
+            plan = plans[e]
+            first = start if e == epoch else 0
+            need = [i for b in plan[first:] for i in b]
+            if eval_batches is None:
+                need = sorted(set(need) | set(eval_ids))
+            with open_source(need) as source:
+                if eval_batches is None:
+                    eval_batches = self._eval_batches(source.take(eval_ids))
+                    if self.step == 0:
+                        self._evaluate(eval_batches)
+                for b in range(first, len(plan)):
+                    self._train_step(source.take(plan[b]), total)
+                    bar.update(1)
+                    if self.step % eval_every == 0 or self.step == total:
+                        self._evaluate(eval_batches)
+                    if self.step % c.checkpoint_every == 0 or self.step == total:
+                        nxt = (e, b + 1) if b + 1 < len(plan) else (e + 1, 0)
+                        self.save_checkpoint(*nxt)
+                self.data_wait_s += source.wait_s
+        bar.close()
+        wall = time.perf_counter() - t_start
+        return {
+            "steps": self.step,
+            "tokens": self.tokens,
+            "resumed_from_step": self.resumed_from,
+            "data_wait_s": round(self.data_wait_s, 2),
+            "eval_s": round(self.eval_s, 2),
+            "loop_wall_s": round(wall, 2),
+            # The real consumer_stall_fraction: the share of this process's loop spent waiting.
+            "consumer_stall_fraction": round(self.data_wait_s / wall, 4) if wall else None,
+        }
+
+    def _eval_batches(self, samples: list[Sample]) -> list[Batch]:
+        size = self.cfg.batch_size
+        return [collate(samples[i : i + size], self.head) for i in range(0, len(samples), size)]
+
+    def _train_step(self, samples: list[Sample], total: int) -> None:
+        t0 = time.perf_counter()
+        batch = collate(samples, self.head)
+        prep = time.perf_counter() - t0
+        logged: dict[str, float] = {}
+        for run in self.runs:
+            for k, v in run.step(batch, self.step, total, self.cfg.seed, prep).items():
+                logged[f"{run.name}/{k}"] = v
+        self.step += 1
+        self.tokens += batch.tokens
+        if self.events:
+            self.events.log(self.step, tokens=self.tokens, **logged)
+
+    def _evaluate(self, batches: list[Batch]) -> None:
+        t0 = time.perf_counter()
+        logged = {}
+        for run in self.runs:
+            result = run.evaluate(batches)
+            run.curve.append([round(run.wall_s, 3), self.tokens, result["tau_sim"]])
+            logged[f"{run.name}/eval_tau_sim"] = result["tau_sim"]
+            logged[f"{run.name}/eval_loss"] = result["loss"]
+        self.eval_s += time.perf_counter() - t0
+        if self.events:
+            self.events.log(self.step, tokens=self.tokens, **logged)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def save_checkpoint(self, epoch: int, batch: int) -> None:
+        with atomic_dir(self.checkpoint_dir) as tmp:
+            for run in self.runs:
+                tensors = {k: v.detach().contiguous() for k, v in run.model.state_dict().items()}
+                save_file(tensors, str(tmp / f"{run.name}.safetensors"))
+                ckpt.save_optimizer(tmp / f"{run.name}.optim.safetensors", run.optimizer, run.names)
+            write_json(
+                tmp / STATE,
+                {
+                    "fingerprint": self.fingerprint,
+                    "epoch": epoch,
+                    "batch": batch,
+                    "step": self.step,
+                    "tokens": self.tokens,
+                    "data_wait_s": self.data_wait_s,
+                    "eval_s": self.eval_s,
+                    "runs": {
+                        r.name: {"wall_s": r.wall_s, "curve": r.curve, "last_eval": r.last_eval}
+                        for r in self.runs
+                    },
+                },
+            )
+
+    def _resume(self) -> tuple[int, int]:
+        """Load the checkpoint if it belongs to this run; -> (epoch, batch) to continue at."""
+        state_path = self.checkpoint_dir / STATE
+        if not state_path.is_file():
+            return 0, 0
+        state = ckpt.read_state(self.checkpoint_dir)
+        if state.get("fingerprint") != self.fingerprint or set(state.get("runs", {})) != {
+            r.name for r in self.runs
+        }:
+            return 0, 0  # another configuration's checkpoint: start over (it is replaced)
+        for run in self.runs:
+            where = self.checkpoint_dir / f"{run.name}.safetensors"
+            ckpt.load_state(run.model, ckpt.load_tensors(where), where)
+            opt_path = self.checkpoint_dir / f"{run.name}.optim.safetensors"
+            ckpt.load_optimizer(run.optimizer, run.names, ckpt.read_optimizer(opt_path), opt_path)
+            saved = state["runs"][run.name]
+            run.wall_s, run.curve, run.last_eval = (
+                saved["wall_s"],
+                saved["curve"],
+                saved["last_eval"],
+            )
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.data_wait_s, self.eval_s = state["data_wait_s"], state["eval_s"]
+        self.resumed_from = self.step
+        return state["epoch"], state["batch"]
+
+
+def fingerprint(*parts: object) -> str:
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,241 @@
+"""Training on the tiny target: learning, resume, checkpoints and the export round trip."""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dspark.data.shards import TokenSample
+from dspark.errors import DataError
+from dspark.export import export_speculators, import_speculators, roundtrip_diff
+from dspark.extract.capture import HiddenStateCapture
+from dspark.models.dspark import DSparkConfig, DSparkDraft
+from dspark.models.layers import RMSNorm
+from dspark.models.vocab import build_draft_ids, count_tokens
+from dspark.schema import Sample
+from dspark.train.batch import TargetHead, collate
+from dspark.train.checkpoint import load_draft, save_draft
+from dspark.train.losses import LossWeights
+from dspark.train.objectives import DSparkObjective
+from dspark.train.sources import Source
+from dspark.train.stage import build_runs
+from dspark.train.trainer import DraftRun, Trainer
+
+from ..unit.test_drafts import SHAPE
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_target) -> list[Sample]:
+    """Real hidden states of the tiny target on random token sequences."""
+    gen = torch.Generator().manual_seed(0)
+    cap = HiddenStateCapture(tiny_target, [0, 1], "float32")
+    out = []
+    for i in range(10):
+        s = 24 + 3 * i
+        ids = torch.randint(10, 2000, (s,), generator=gen, dtype=torch.int32)
+        mask = torch.zeros(s, dtype=torch.bool)
+        mask[8:] = True
+        out.append(cap(TokenSample(i, f"p{i}", ids, mask)))
+    cap.close()
+    return out
+
+
+def tiny_params(smoke_params, **train):
+    from dspark.config import Params
+
+    tree = smoke_params.model_dump()
+    tree["train"].update(
+        draft_vocab_size=256, batch_size=2, epochs=2, eval_samples=2, checkpoint_every=3, **train
+    )
+    tree["train"]["dspark"].update(block_size=4, markov_rank=16)
+    return Params.model_validate(tree)
+
+
+def make_trainer(params, tiny_target, samples, folder, **kw) -> Trainer:
+    counts = count_tokens(samples, tiny_target.vocab_size)
+    draft_ids = build_draft_ids(counts, params.train.draft_vocab_size)
+    runs = build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)
+    return Trainer(
+        cfg=params.train,
+        runs=runs,
+        head=TargetHead(tiny_target.norm, tiny_target.lm_head, draft_ids),
+        draft_ids=draft_ids,
+        checkpoint_dir=folder,
+        fingerprint="test",
+        progress=False,
+        **kw,
+    )
+
+
+def memory_source(samples, fail_after: int | None = None):
+    by_id = {s.sample_id: s for s in samples}
+    calls = {"n": 0}  # across epochs
+
+    @contextmanager
+    def open_source(ids):
+
+        def stream():
+            for i in sorted(ids):
+                yield by_id[i]
+
+        src = Source(stream())
+        take = src.take
+
+        def limited(wanted):
+            calls["n"] += 1
+            if fail_after is not None and calls["n"] > fail_after:
+                raise KeyboardInterrupt("simulated interruption")
+            return take(wanted)
+
+        src.take = limited
+        yield src
+
+    return open_source
+
+
+def test_resume_continues_bit_exact(smoke_params, tiny_target, samples, tmp_path):
+    params = tiny_params(smoke_params)
+    ids = [s.sample_id for s in samples]
+    train_ids, eval_ids = ids[2:], ids[:2]
+
+    whole = make_trainer(params, tiny_target, samples, tmp_path / "a")
+    whole.fit(memory_source(samples), train_ids, eval_ids)
+
+    broken = make_trainer(params, tiny_target, samples, tmp_path / "b")
+    with pytest.raises(KeyboardInterrupt):  # dies after step 4; the checkpoint is at step 3
+        broken.fit(memory_source(samples, fail_after=1 + 4), train_ids, eval_ids)
+    resumed = make_trainer(params, tiny_target, samples, tmp_path / "b")
+    resumed.fit(memory_source(samples), train_ids, eval_ids)
+
+    assert resumed.resumed_from == 3 and resumed.step == whole.step == 8
+    for a, b in zip(whole.runs, resumed.runs, strict=True):
+        sa, sb = a.model.state_dict(), b.model.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), f"{a.name} weights differ"
+        assert [p[1:] for p in a.curve] == [p[1:] for p in b.curve]  # tokens and tau_sim
+
+
+def test_a_checkpoint_of_another_configuration_is_not_resumed(
+    smoke_params, tiny_target, samples, tmp_path
+):
+    params = tiny_params(smoke_params)
+    first = make_trainer(params, tiny_target, samples, tmp_path)
+    first.fit(memory_source(samples), [2, 3, 4, 5], [0, 1])
+    other = make_trainer(params, tiny_target, samples, tmp_path)
+    other.fingerprint = "something else"
+    assert other._resume() == (0, 0) and other.step == 0
+
+
+def test_a_tiny_draft_overfits_to_nearly_the_block_size():
+    """A deterministic next-token rule, a peaked target: tau_sim approaches block_size + 1."""
+    torch.manual_seed(0)
+    vocab, k = 48, 4
+    embed = nn.Embedding(vocab, SHAPE.hidden_size)
+    lm_head = nn.Linear(SHAPE.hidden_size, vocab, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(8 * nn.functional.normalize(embed.weight, dim=-1))
+    head = TargetHead(RMSNorm(SHAPE.hidden_size, 1e-6), lm_head, torch.arange(vocab))
+    cfg = DSparkConfig(
+        layer=SHAPE,
+        num_layers=1,
+        block_size=k,
+        aux_layers=(0,),
+        vocab_size=vocab,
+        draft_vocab_size=vocab,
+        mask_token_id=vocab - 1,
+        markov_rank=16,
+    )
+    model = DSparkDraft(cfg, embed, lm_head.weight.detach())
+    batch_samples = []
+    for i in range(2):
+        ids = (torch.arange(40) * 5 + 7 * i) % (vocab - 1)  # x_{t+1} = x_t + 5 (mod 47)
+        nxt = torch.cat((ids[1:], ids[:1]))
+        mask = torch.zeros(40, dtype=torch.bool)
+        mask[4:] = True
+        batch_samples.append(
+            Sample(
+                i,
+                ids.to(torch.int32),
+                mask,
+                embed.weight[ids].detach()[None],
+                nn.functional.normalize(embed.weight[nxt], dim=-1).detach() * 6,
+            )
+        )
+    batch = collate(batch_samples, head)
+    from dspark.config import OptimConfig
+
+    run = DraftRun(
+        "dspark",
+        model,
+        DSparkObjective(LossWeights(confidence=1.0), 64),
+        DSparkObjective(LossWeights(confidence=1.0), None),
+        OptimConfig(lr=3e-3, warmup_fraction=0.0, schedule="constant"),
+        slots=k,
+    )
+    for step in range(150):
+        run.step(batch, step, 150, 0, 0.0)
+    tau = run.evaluate([batch])["tau_sim"]
+    assert tau > 0.9 * (k + 1), tau
+
+
+def test_draft_checkpoint_round_trips_and_rejects_mismatches(
+    smoke_params, tiny_target, samples, tmp_path
+):
+    params = tiny_params(smoke_params)
+    counts = count_tokens(samples, tiny_target.vocab_size)
+    draft_ids = build_draft_ids(counts, 256)
+    run = build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)[0]
+    folder = tmp_path / "dspark"
+    folder.mkdir()
+    save_draft(folder, run.model, draft_ids, {})
+    back, back_ids = load_draft(folder, tiny_target.embed)
+    assert torch.equal(back_ids, draft_ids)
+    assert roundtrip_diff(run.model, back) == 0.0
+
+    with pytest.raises(DataError, match="vocabulary"):
+        load_draft(folder, nn.Embedding(1000, 64))
+    with pytest.raises(DataError, match="hidden size"):
+        load_draft(folder, nn.Embedding(tiny_target.vocab_size, 32))
+    tensors = load_file(folder / "model.safetensors")
+    tensors["fc.weight"] = tensors["fc.weight"][:, :10].contiguous()
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(DataError, match=r"fc\.weight: shape"):
+        load_draft(folder, tiny_target.embed)
+    (folder / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(DataError, match="not a readable safetensors file"):
+        load_draft(folder, tiny_target.embed)
+
+
+@pytest.mark.parametrize("variant,rank", [("vanilla", 16), ("rnn", 16), ("vanilla", 0)])
+def test_speculators_export_imports_back_exactly(
+    smoke_params, tiny_target, samples, tmp_path, variant, rank
+):
+    params = tiny_params(smoke_params)
+    tree = params.model_dump()
+    tree["train"]["dspark"].update(
+        markov_head=variant, markov_rank=rank, confidence_with_markov=rank > 0
+    )
+    from dspark.config import Params
+
+    params = Params.model_validate(tree)
+    draft_ids = build_draft_ids(count_tokens(samples, tiny_target.vocab_size), 256)
+    model = build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)[0].model
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.1)
+    doc = export_speculators(
+        model,
+        draft_ids,
+        tmp_path / "export",
+        verifier_config=tiny_target.model.config.to_dict(),
+        verifier_path="tiny",
+    )
+    assert doc["speculators_model_type"] == "dspark"
+    assert doc["aux_hidden_state_layer_ids"] == [1, 2]  # HF hidden_states indexing
+    assert doc["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    tensors = load_file(tmp_path / "export" / "model.safetensors")
+    assert torch.equal(torch.arange(256) + tensors["d2t"], draft_ids)
+    assert int(tensors["t2d"].sum()) == 256 and "embed_tokens.weight" not in tensors
+    back, back_ids = import_speculators(tmp_path / "export", tiny_target.embed, tiny_target.lm_head)
+    assert torch.equal(back_ids, draft_ids)
+    assert roundtrip_diff(model, back) == 0.0
