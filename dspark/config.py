@@ -250,7 +250,9 @@ class DSparkDraftConfig(Section):
     @model_validator(mode="after")
     def _confidence_needs_markov(self) -> DSparkDraftConfig:
         if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
-            raise ValueError("confidence_with_markov needs markov_rank > 0")
+            raise ValueError(
+                "confidence_with_markov needs markov_rank > 0 (set confidence_with_markov: false)"
+            )
         return self
 
 

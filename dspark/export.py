@@ -19,13 +19,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from dspark.errors import DataError
 from dspark.io import atomic_dir, write_json
 from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.layers import LayerShape
-from dspark.train.checkpoint import load_state, load_tensors, read_json
+from dspark.train.checkpoint import load_state, load_tensors, read_json, save_tensors
 
 SPECULATORS_VERSION = "0.9.0"  # the release whose format this matches (and that the test loads)
 
@@ -102,7 +101,7 @@ def export_speculators(
     else:
         tensors.pop("lm_head.weight")  # the verifier's own head: loaded from it
     with atomic_dir(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(tmp / "model.safetensors", tensors, metadata={"format": "pt"})
         write_json(tmp / "config.json", doc)
     return doc
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -68,23 +69,33 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
     events_path = root_path / stage.events
     offset = 0
     children: dict[str, str] = {}  # draft name -> its child run, side by side in the UI
+    lock = threading.Lock()  # follow() runs on the runner's ticker thread and once more here
 
-    def child(name: str) -> str:
-        if name not in children:
-            children[name] = tracker.start(
-                f"{name}", parent=run_id, tags={"stage": name, "profile": profile, "draft": name}
-            )
-        return children[name]
+    def child(draft: str) -> str:
+        with lock:
+            if draft not in children:
+                children[draft] = tracker.start(
+                    draft,
+                    parent=run_id,
+                    tags={
+                        "stage": name,
+                        "draft": draft,
+                        "profile": profile,
+                        "git_commit": git_commit(root_path),
+                    },
+                )
+            return children[draft]
 
     def follow() -> None:
         nonlocal offset
-        events, offset = read_events(events_path, offset)
+        with lock:
+            events, offset = read_events(events_path, offset)
         for e in events:
             own, routed = split_by_child(e["metrics"], stage.children)
             ts = int(e["time"] * 1000)
             tracker.metrics(run_id, own, step=e["step"], timestamp_ms=ts)
-            for name, values in routed.items():
-                tracker.metrics(child(name), values, step=e["step"], timestamp_ms=ts)
+            for draft, values in routed.items():
+                tracker.metrics(child(draft), values, step=e["step"], timestamp_ms=ts)
 
     ok = False
     try:
@@ -106,24 +117,29 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
         tracker.artifact(run_id, root_path / stage.metrics)
         for rel in (stage.resolved, *stage.artifacts):
             tracker.artifact(run_id, root_path / rel)
-        for name in stage.children:
-            if isinstance(doc.get(name), dict):
-                tracker.metrics(child(name), {k: v for k, v in doc[name].items() if k != "curve"})
-        for name, values in (doc.get("markov_ablation") or {}).items():
-            tracker.metrics(child(f"dspark_{name}" if name != "vanilla" else "dspark"), values)
-        if stage.register:
+        # Each draft's summary goes beside its step metrics under final/, so MLflow's latest
+        # value of a step metric stays the last step's.
+        for draft in stage.children:
+            if isinstance(doc.get(draft), dict):
+                final = {k: v for k, v in doc[draft].items() if k != "curve"}
+                tracker.metrics(child(draft), {"final": final})
+        for variant, values in (doc.get("markov_ablation") or {}).items():
+            draft = "dspark" if variant == "vanilla" else f"dspark_{variant}"
+            tracker.metrics(child(draft), {"final": values})
+        if stage.register and not cached:
             who, folder, model_name = stage.register
-            version = tracker.register(
-                child(who),
-                root_path / folder,
-                model_name,
-                tags={
-                    "profile": profile,
-                    "git_commit": git_commit(root_path),
-                    **dvc_lock_hashes(root_path, name),
-                },
-            )
-            logger.info("registered %s version %s", model_name, version)
+            if (root_path / folder).is_dir():
+                version = tracker.register(
+                    child(who),
+                    root_path / folder,
+                    model_name,
+                    tags={
+                        "profile": profile,
+                        "git_commit": git_commit(root_path),
+                        **dvc_lock_hashes(root_path, name),
+                    },
+                )
+                logger.info("registered %s version %s", model_name, version)
         ok = True
         return {"stage": name, "cached": cached, "run_id": run_id, "metrics": doc}
     finally:

@@ -13,25 +13,27 @@ slots draft: speculators' `sample_from_anchor`), so one backbone pass proposes B
     confidence sigmoid(proj([h_k; W1[x_{p+k}]])) ~ P(slot k accepted)
 
 Parameter names match speculators' DSparkDraftModel, so export is a copy plus a config.json.
-The target's embeddings and lm_head are frozen and held outside the module's state (never saved).
+The target's embedding is borrowed, frozen and held outside the module's state (never saved);
+the lm_head is the target's rows for the draft vocabulary, frozen but saved, as speculators does.
 
-Shape glossary: B batch, S context, A anchors, K block size, Q = A*K queries, H hidden, r Markov
-rank, d draft vocabulary, V target vocabulary.
+Shape glossary (below; above, B is the block size): B batch, S context, A anchors, K block size,
+Q = A*K queries, H hidden, r Markov rank, d draft vocabulary, V target vocabulary.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.layers import MLP, LayerShape, RMSNorm, apply_rope, rope_cos_sin
+from dspark.models.layers import MLP, DraftConfig, LayerShape, RMSNorm, apply_rope, rope_cos_sin
 
 
 @dataclass(frozen=True)
-class DSparkConfig:
+class DSparkConfig(DraftConfig):
     layer: LayerShape
     num_layers: int
     block_size: int
@@ -44,13 +46,7 @@ class DSparkConfig:
     confidence_head: bool = True
     confidence_with_markov: bool = True
 
-    def to_dict(self) -> dict:
-        return {**asdict(self), "kind": "dspark", "aux_layers": list(self.aux_layers)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DSparkConfig:
-        d = {k: v for k, v in d.items() if k != "kind"}
-        return cls(**{**d, "layer": LayerShape(**d["layer"]), "aux_layers": tuple(d["aux_layers"])})
+    kind: ClassVar[str] = "dspark"
 
 
 class BlockAttention(nn.Module):

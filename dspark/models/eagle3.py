@@ -20,16 +20,17 @@ Shape glossary: B batch, S positions, H hidden, d draft vocabulary, K TTT steps.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from dspark.models.layers import MLP, Attention, LayerShape, RMSNorm, rope_cos_sin
+from dspark.models.layers import MLP, Attention, DraftConfig, LayerShape, RMSNorm, rope_cos_sin
 
 
 @dataclass(frozen=True)
-class Eagle3Config:
+class Eagle3Config(DraftConfig):
     layer: LayerShape
     num_aux: int  # target layers fused by fc
     aux_layers: tuple[int, ...]
@@ -37,13 +38,7 @@ class Eagle3Config:
     draft_vocab_size: int
     ttt_steps: int  # the depth it drafts at
 
-    def to_dict(self) -> dict:
-        return {**asdict(self), "kind": "eagle3", "aux_layers": list(self.aux_layers)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Eagle3Config:
-        d = {k: v for k, v in d.items() if k != "kind"}
-        return cls(**{**d, "layer": LayerShape(**d["layer"]), "aux_layers": tuple(d["aux_layers"])})
+    kind: ClassVar[str] = "eagle3"
 
 
 class Eagle3Layer(nn.Module):

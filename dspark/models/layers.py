@@ -11,7 +11,8 @@ Shape glossary: N queries, M keys, H hidden, nh / nkv heads, d head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,21 @@ class LayerShape:
             rope_theta=float(theta),
             max_position=int(config.get("max_position_embeddings", 2048)),
         )
+
+
+class DraftConfig:
+    """JSON round trip for a draft's frozen-dataclass config (a `layer` LayerShape and
+    `aux_layers` tuple inside); `kind` names the architecture in the checkpoint."""
+
+    kind: ClassVar[str]
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "kind": self.kind, "aux_layers": list(self.aux_layers)}
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        d = {k: v for k, v in d.items() if k != "kind"}
+        return cls(**{**d, "layer": LayerShape(**d["layer"]), "aux_layers": tuple(d["aux_layers"])})
 
 
 class RMSNorm(nn.Module):

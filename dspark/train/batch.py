@@ -23,7 +23,7 @@ class Batch:
     lengths: torch.Tensor  # [B]
     aux: torch.Tensor  # [B, S, L*H] float32: the aux layers' hidden states, concatenated
     valid: torch.Tensor  # [B, S] bool: token t+1 exists and is a response (loss-masked) token
-    labels: torch.Tensor  # [B, S] int64: the target's greedy token at t (draft index), -1 unused
+    labels: torch.Tensor  # [B, S] int64: argmax of p_target at t (a draft index), -1 unused
     p_target: torch.Tensor  # [B, S, d] float32: target probabilities of the draft tokens at t
 
     @property
@@ -48,7 +48,8 @@ class TargetHead(nn.Module):
     @torch.no_grad()
     def probs(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] pre-norm last-layer states -> [T, d] target probabilities of the draft tokens."""
-        logits = self.lm_head(self.norm(last_hidden.float()))  # [T, V]
+        w = self.lm_head.weight
+        logits = self.lm_head(self.norm(last_hidden.to(w.dtype)).to(w.dtype)).float()  # [T, V]
         return torch.softmax(logits, dim=-1)[:, self.draft_ids]
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save_file as _save_file
 from torch import nn
 
 from dspark.errors import DataError
@@ -26,6 +27,12 @@ FORMAT = "dspark-draft"
 FORMAT_VERSION = 1
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None):
+    """safetensors' writer leaves files 0600; a serving engine under another user must read."""
+    _save_file(tensors, str(path), metadata=metadata)
+    Path(path).chmod(0o644)
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -50,7 +57,7 @@ def save_draft(folder: Path, model: nn.Module, draft_ids: torch.Tensor, extra: d
     """Write one draft into `folder` (an existing, empty, temporary folder)."""
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     tensors["draft_ids"] = draft_ids.to(torch.int64).contiguous()
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": FORMAT})
+    save_tensors(folder / WEIGHTS, tensors, metadata={"format": FORMAT})
     write_json(
         folder / CONFIG,
         {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model.cfg.to_dict(), **extra},
@@ -72,9 +79,7 @@ def read_draft_config(folder: Path) -> DSparkConfig | Eagle3Config:
     raise DataError(f"{folder / CONFIG}: model.kind: expected 'dspark' or 'eagle3'")
 
 
-def load_draft(
-    folder: Path, embed: nn.Embedding, lm_head: nn.Module | None = None
-) -> tuple[DSparkDraft | Eagle3Draft, torch.Tensor]:
+def load_draft(folder: Path, embed: nn.Embedding) -> tuple[DSparkDraft | Eagle3Draft, torch.Tensor]:
     """Rebuild a draft around the target's frozen embedding; check it fits that target."""
     folder = Path(folder)
     cfg = read_draft_config(folder)
@@ -145,7 +150,7 @@ def load_optimizer(
 
 
 def save_optimizer(path: Path, opt: torch.optim.Optimizer, names: dict[int, str]) -> None:
-    save_file(optimizer_tensors(opt, names), str(path), metadata={"format": FORMAT})
+    save_tensors(path, optimizer_tensors(opt, names), metadata={"format": FORMAT})
 
 
 def read_optimizer(path: Path) -> dict[str, torch.Tensor]:

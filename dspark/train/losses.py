@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class LossWeights:
-    ce: float = 0.1  # cross-entropy on the target's greedy token (speculators' `ce`)
+    ce: float = 0.1  # cross-entropy on the target's argmax over the draft vocabulary (as `ce`
+    # in speculators, which also sees only the draft vocabulary)
     tv: float = 0.9  # total variation to the target's distribution
     kl: float = 0.0  # forward KL to the target's distribution (EAGLE-3's loss)
     gamma: float | None = 4.0  # slot k weighs exp(-k / gamma); None: no decay
@@ -51,7 +52,7 @@ def acceptance(p_draft_vocab: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def slot_losses(
     logits: torch.Tensor,  # [N, K, d] draft logits
     p_target: torch.Tensor,  # [N, K, d] target probabilities of the draft tokens
-    labels: torch.Tensor,  # [N, K] the target's greedy token (draft index)
+    labels: torch.Tensor,  # [N, K] the target's most likely draft-vocabulary token
     valid: torch.Tensor,  # [N, K] bool: slot has a supervised label
     w: LossWeights,
     confidence_logits: torch.Tensor | None = None,  # [N, K]

@@ -8,6 +8,7 @@ hidden states, then written as draft folders with their curves and metrics.
 from __future__ import annotations
 
 import csv
+import hashlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,12 +174,17 @@ def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
     head = TargetHead(target.norm, target.lm_head, draft_ids)
     online = params.extract.mode == "online"
 
+    # Everything DVC would rerun this stage for: a checkpoint with another fingerprint is
+    # started over, never resumed.
+    hidden_manifest = paths.hidden / "manifest.json"
     fp = fingerprint(
         code_hash(),
+        params.target.model_dump(mode="json"),
         params.train.model_dump(mode="json"),
-        params.extract.model_dump(mode="json", include={"aux_layers", "wire_dtype", "mode"}),
+        params.extract.model_dump(mode="json"),
         read_manifest(paths.target),
         [s["sha256"] for s in tokens_doc["shards"]],
+        file_digest(hidden_manifest) if hidden_manifest.is_file() else None,
     )
     trainer = Trainer(
         cfg=t,
@@ -230,14 +236,19 @@ def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
 
 
 def code_hash() -> str:
-    """The draft and trainer code: a checkpoint from other code is not resumed."""
-    import hashlib
-
+    """The code the stage depends on (the same paths as its DVC deps)."""
     pkg = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted([*pkg.glob("train/*.py"), *pkg.glob("models/*.py")]):
-        h.update(path.name.encode() + path.read_bytes())
+    files = [pkg / "schema.py"]
+    for sub in ("train", "models", "extract", "transport"):
+        files += pkg.glob(f"{sub}/*.py")
+    for path in sorted(files):
+        h.update(str(path.relative_to(pkg)).encode() + path.read_bytes())
     return h.hexdigest()[:16]
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def summarize(runs: list[DraftRun], tokens: int) -> dict:

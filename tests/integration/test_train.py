@@ -239,3 +239,21 @@ def test_speculators_export_imports_back_exactly(
     back, back_ids = import_speculators(tmp_path / "export", tiny_target.embed, tiny_target.lm_head)
     assert torch.equal(back_ids, draft_ids)
     assert roundtrip_diff(model, back) == 0.0
+
+
+def test_a_non_finite_loss_stops_training_with_a_clear_error(smoke_params, tiny_target, samples):
+    params = tiny_params(smoke_params)
+    draft_ids = build_draft_ids(count_tokens(samples, tiny_target.vocab_size), 256)
+    run = build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)[0]
+    batch = collate(samples[:2], TargetHead(tiny_target.norm, tiny_target.lm_head, draft_ids))
+    batch.aux[:] = float("nan")
+    with pytest.raises(DataError, match="non-finite loss at step 0"):
+        run.step(batch, 0, 10, 0, 0.0)
+
+
+def test_target_head_runs_on_a_bfloat16_target():
+    torch.manual_seed(0)
+    lm_head = nn.Linear(16, 40, bias=False).to(torch.bfloat16)
+    head = TargetHead(RMSNorm(16, 1e-6).to(torch.bfloat16), lm_head, torch.arange(0, 40, 2))
+    p = head.probs(torch.randn(5, 16))
+    assert p.dtype == torch.float32 and p.shape == (5, 20) and bool((p.sum(-1) <= 1.0001).all())
