@@ -257,3 +257,34 @@ def test_target_head_runs_on_a_bfloat16_target():
     head = TargetHead(RMSNorm(16, 1e-6).to(torch.bfloat16), lm_head, torch.arange(0, 40, 2))
     p = head.probs(torch.randn(5, 16))
     assert p.dtype == torch.float32 and p.shape == (5, 20) and bool((p.sum(-1) <= 1.0001).all())
+
+
+def test_the_markov_ablation_trains_every_variant_beside_the_main_drafts(
+    smoke_params, tiny_target, samples
+):
+    from dspark.train.stage import summarize
+
+    params = tiny_params(smoke_params, markov_ablation=True)
+    draft_ids = build_draft_ids(count_tokens(samples, tiny_target.vocab_size), 256)
+    runs = build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)
+    assert [r.name for r in runs] == [
+        "dspark",
+        "dspark_gated",
+        "dspark_rnn",
+        "dspark_rank0",
+        "eagle3",
+    ]
+    cfgs = {r.name: r.model.cfg for r in runs}
+    assert cfgs["dspark_gated"].markov_head == "gated" and cfgs["dspark_rnn"].markov_head == "rnn"
+    assert (
+        cfgs["dspark_rank0"].markov_rank == 0
+        and cfgs["dspark_rank0"].confidence_with_markov is False
+    )
+    assert runs[3].model.markov_head is None
+    for i, run in enumerate(runs):
+        run.wall_s, run.curve = 10.0 + i, [[0.0, 0, 1.0], [10.0 + i, 100, 1.5 + i / 10]]
+        run.last_eval = {"tau_sim": 1.5 + i / 10, "pos_accept": [0.1] * 4, "loss": 1.0}
+    out = summarize(runs, tokens=100)
+    assert set(out["markov_ablation"]) == {"vanilla", "gated", "rnn", "rank0"}
+    assert out["markov_ablation"]["rank0"]["tau_sim"] == 1.8
+    assert out["goal"]["eagle3_final_tau_sim"] == 1.9 and out["goal"]["met"] is False

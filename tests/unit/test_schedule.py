@@ -26,3 +26,14 @@ def test_metrics_route_to_their_draft():
     )
     assert own == {"tokens": 9, "other/x": 3}
     assert routed == {"dspark": {"loss": 1.0}, "eagle3": {"tau_sim": 2.0}}
+
+
+def test_wall_clock_goal_interpolates_between_evaluations():
+    from dspark.train.stage import wall_clock_goal
+
+    eagle3 = {"tau_sim": 1.3, "wall_s": 50.0, "curve": [[0.0, 0, 1.0], [50.0, 9, 1.3]]}
+    goal = wall_clock_goal([[0.0, 0, 1.0], [10.0, 3, 1.2], [20.0, 6, 1.4]], eagle3)
+    assert goal["dspark_wall_s_to_reach"] == 15.0 and goal["ratio"] == 0.3 and goal["met"]
+    assert wall_clock_goal([[0.0, 0, 1.0], [10.0, 3, 1.1]], eagle3)["met"] is False
+    flat = {"tau_sim": 1.0, "wall_s": 5.0, "curve": [[0.0, 0, 1.0]]}
+    assert wall_clock_goal([[0.0, 0, 1.0]], flat)["met"] is None  # EAGLE-3 learned nothing
