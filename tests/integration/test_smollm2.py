@@ -39,3 +39,20 @@ def test_long_context_length_fits_the_target(smollm2):
     params = load_params(ROOT / "params.yaml", profile="default")
     # 8192 positions, minus max_new_tokens (128) and one block (8)
     assert long_context_tokens(params, smollm2) == 8192 - 128 - 8
+
+
+def test_our_decode_forward_matches_transformers_on_smollm2(smollm2):
+    """The engine issue 5 verifies with: same logits as transformers' forward, fp32."""
+    from dspark.decode.llama import Llama
+
+    model = Llama.from_hf(smollm2.model)
+    ids = torch.randint(0, smollm2.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = smollm2.model(input_ids=ids, use_cache=False).logits
+    cache = model.new_cache(2, 64)
+    prefill, _ = model(ids[:, :40], torch.arange(40).expand(2, 40), cache)
+    step, _ = model(ids[:, 40:], torch.arange(40, 48).expand(2, 8), cache)  # a verify step
+    got = torch.cat((prefill, step), dim=1)
+    diff = (got - want).abs().max().item()
+    print(f"max |logit diff| vs transformers: {diff:.2e}")
+    assert diff < 1e-3

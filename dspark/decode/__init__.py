@@ -1,0 +1,1 @@
+"""Speculative decoding against the real target: our batched Llama forward and its cache."""

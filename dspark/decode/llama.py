@@ -1,0 +1,146 @@
+"""The target's forward for speculative decoding, in the style of gpt-fast: a Llama that loads
+the target's weights, keeps a static KV cache, and runs a batch of rows that each sit at their
+own positions, so one call verifies a ragged batch of drafted tokens.
+
+Every row writes its new keys and values at its own positions, then attends to its cache up to
+each query's position. A padded token (`valid` False) writes into a scratch slot, the cache's
+last, which no query ever reads, so padding never disturbs a row's cache. Tokens a verification
+rejects need no undoing: the next call writes over those positions before anything reads them,
+and a query never looks past its own position.
+
+Hidden states of any layer can be returned (`taps`, the output of decoder layer i, and the last
+layer before the final norm), which is what the drafts read.
+
+Shape glossary: B rows, T new tokens per row, M cache slots, H hidden, L layers, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.layers import MLP, LayerShape, RMSNorm, apply_rope, rope_cos_sin
+
+
+@dataclass
+class KVCache:
+    k: torch.Tensor  # [L, B, nkv, M, d]
+    v: torch.Tensor
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def scratch(self) -> int:
+        """Where padded tokens write; never attended to."""
+        return self.slots - 1
+
+
+class Attention(nn.Module):
+    def __init__(self, s: LayerShape):
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+
+    def forward(self, x, rope, cache_k, cache_v, write_pos, mask, span):
+        """x [B, T, H]; cache_k/v [B, nkv, M, d] (this layer's, updated in place);
+        write_pos [B, T]; mask [B, T, span]: which of the first `span` slots each query sees."""
+        s = self.s
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, s.num_heads, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        rows = torch.arange(b, device=x.device)[:, None]
+        cache_k[rows, :, write_pos] = k.transpose(1, 2)  # [B, T, nkv, d] into slots
+        cache_v[rows, :, write_pos] = v.transpose(1, 2)
+        groups = s.num_heads // s.num_kv_heads
+        keys = cache_k[:, :, :span].repeat_interleave(groups, dim=1)
+        values = cache_v[:, :, :span].repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, s: LayerShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = MLP(s)
+
+    def forward(self, x, rope, cache_k, cache_v, write_pos, mask, span):
+        x = x + self.self_attn(
+            self.input_layernorm(x), rope, cache_k, cache_v, write_pos, mask, span
+        )
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, s: LayerShape, num_layers: int, vocab_size: int):
+        super().__init__()
+        self.s = s
+        self.embed_tokens = nn.Embedding(vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(Block(s) for _ in range(num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.lm_head = nn.Linear(s.hidden_size, vocab_size, bias=False)
+
+    @classmethod
+    def from_hf(cls, model: nn.Module) -> Llama:
+        """A transformers Llama (the loaded target) -> ours, sharing nothing mutable."""
+        cfg = model.config.to_dict()
+        ours = cls(LayerShape.from_hf(cfg), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"]))
+        theirs = model.state_dict()
+        state = {k.removeprefix("model."): v for k, v in theirs.items()}
+        state.setdefault("lm_head.weight", theirs["model.embed_tokens.weight"])  # tied
+        dtype = next(model.parameters()).dtype
+        ours.load_state_dict(state)
+        return ours.to(dtype).eval().requires_grad_(False)
+
+    def new_cache(self, batch: int, slots: int) -> KVCache:
+        """A cache of `slots` positions per row (plus the scratch slot)."""
+        s = self.s
+        shape = (len(self.layers), batch, s.num_kv_heads, slots + 1, s.head_dim)
+        dtype = self.embed_tokens.weight.dtype
+        return KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+
+    @torch.no_grad()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor,  # [B, T] int64: where each token sits in its row
+        cache: KVCache,
+        valid: torch.Tensor | None = None,  # [B, T] bool: False for padding
+        taps: tuple[int, ...] = (),
+        logits: bool = True,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """-> logits [B, T, V] (or the last layer's normed hidden state [B, T, H] when
+        `logits` is False), and {layer i: output of decoder layer i [B, T, H]} for `taps`
+        (the last layer's is before the final norm)."""
+        if valid is None:
+            valid = torch.ones_like(tokens, dtype=torch.bool)
+        last = int(torch.where(valid, positions, 0).max())
+        if last >= cache.scratch:
+            raise ValueError(f"position {last} is beyond the cache's {cache.scratch} slots")
+        write_pos = torch.where(valid, positions, torch.full_like(positions, cache.scratch))
+        span = last + 1  # no row reads past its last token
+        slot = torch.arange(span, device=tokens.device)
+        # Query at position p sees slots <= p; a padded query sees slot 0 (output unused).
+        mask = (slot[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
+        mask[..., 0] |= ~valid
+        rope = rope_cos_sin(positions, self.s.head_dim, self.s.rope_theta)
+        x = self.embed_tokens(tokens)
+        kept: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, cache.k[i], cache.v[i], write_pos, mask, span)
+            if i in taps:
+                kept[i] = x
+        h = self.norm(x)
+        return (self.lm_head(h) if logits else h), kept

@@ -1,0 +1,52 @@
+"""Our Llama forward against transformers' on the tiny target: prefill, ragged verification
+steps with padding, rewritten (rejected) positions, and tapped hidden states."""
+
+import torch
+
+from dspark.decode.llama import Llama
+
+
+def reference(tiny_target, ids):
+    with torch.no_grad():
+        out = tiny_target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    return out.logits, out.hidden_states
+
+
+def test_prefill_matches_transformers(tiny_target):
+    model = Llama.from_hf(tiny_target.model)
+    ids = torch.randint(
+        0, tiny_target.vocab_size, (3, 20), generator=torch.Generator().manual_seed(0)
+    )
+    want, hidden = reference(tiny_target, ids)
+    cache = model.new_cache(3, 64)
+    got, taps = model(ids, torch.arange(20).expand(3, 20), cache, taps=(0, 1))
+    assert (got - want).abs().max().item() < 1e-4
+    assert (taps[0] - hidden[1]).abs().max().item() < 1e-4  # output of decoder layer 0
+
+
+def test_ragged_steps_with_padding_and_rewrites_match_transformers(tiny_target):
+    model = Llama.from_hf(tiny_target.model)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, tiny_target.vocab_size, (3, 24), generator=gen)
+    want, _ = reference(tiny_target, ids)
+    cache = model.new_cache(3, 32)
+    lengths = [10, 7, 12]  # each row's prefill, padded to 12
+    pos = torch.arange(12).expand(3, 12)
+    valid = pos < torch.tensor(lengths)[:, None]
+    model(torch.where(valid, ids[:, :12], 0), pos, cache, valid)
+    # A verification step writes junk at the next positions (drafts that get rejected) ...
+    junk = torch.randint(0, tiny_target.vocab_size, (3, 4), generator=gen)
+    step_pos = torch.tensor(lengths)[:, None] + torch.arange(4)
+    model(junk, step_pos, cache)
+    # ... then each row continues with its true tokens, a different count per row.
+    take = [5, 2, 4]
+    t = max(take)
+    step_pos = torch.tensor(lengths)[:, None] + torch.arange(t)
+    step_valid = torch.arange(t)[None] < torch.tensor(take)[:, None]
+    tokens = ids.gather(1, step_pos.clamp_max(23))
+    got, _ = model(torch.where(step_valid, tokens, 0), step_pos, cache, step_valid)
+    for r in range(3):
+        for j in range(take[r]):
+            p = lengths[r] + j
+            diff = (got[r, j] - want[r, p]).abs().max().item()
+            assert diff < 1e-4, (r, j, diff)
