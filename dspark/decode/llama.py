@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.layers import MLP, LayerShape, RMSNorm, apply_rope, rope_cos_sin
+from dspark.models.layers import LayerShape, PreNormBlock, RMSNorm, apply_rope, rope_cos_sin
 
 
 @dataclass
@@ -68,27 +68,12 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
-class Block(nn.Module):
-    def __init__(self, s: LayerShape):
-        super().__init__()
-        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.self_attn = Attention(s)
-        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.mlp = MLP(s)
-
-    def forward(self, x, rope, cache_k, cache_v, write_pos, mask, span):
-        x = x + self.self_attn(
-            self.input_layernorm(x), rope, cache_k, cache_v, write_pos, mask, span
-        )
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Llama(nn.Module):
     def __init__(self, s: LayerShape, num_layers: int, vocab_size: int):
         super().__init__()
         self.s = s
         self.embed_tokens = nn.Embedding(vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(Block(s) for _ in range(num_layers))
+        self.layers = nn.ModuleList(PreNormBlock(s, Attention(s)) for _ in range(num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, vocab_size, bias=False)
 

@@ -29,7 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.layers import MLP, DraftConfig, LayerShape, RMSNorm, apply_rope, rope_cos_sin
+from dspark.models.layers import (
+    DraftConfig,
+    LayerShape,
+    PreNormBlock,
+    RMSNorm,
+    apply_rope,
+    rope_cos_sin,
+)
 
 
 @dataclass(frozen=True)
@@ -84,19 +91,6 @@ class BlockAttention(nn.Module):
         v = v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-
-
-class DSparkLayer(nn.Module):
-    def __init__(self, s: LayerShape):
-        super().__init__()
-        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.self_attn = BlockAttention(s)
-        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.mlp = MLP(s)
-
-    def forward(self, x, ctx, rope_q, rope_kv, mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_kv, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class MarkovHead(nn.Module):
@@ -168,7 +162,9 @@ class DSparkDraft(nn.Module):
         self.cfg = cfg
         self.fc = nn.Linear(len(cfg.aux_layers) * s.hidden_size, s.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.layers = nn.ModuleList(DSparkLayer(s) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            PreNormBlock(s, BlockAttention(s)) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, cfg.draft_vocab_size, bias=False)
         with torch.no_grad():

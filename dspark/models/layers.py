@@ -150,3 +150,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PreNormBlock(nn.Module):
+    """A Llama decoder block around any attention: x + attn(norm(x), ...), then
+    x + mlp(norm(x)). The attention's extra arguments (context, cache, masks) pass through."""
+
+    def __init__(self, s: LayerShape, attention: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = MLP(s)
+
+    def forward(self, x: torch.Tensor, *attn_args) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
