@@ -22,7 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.layers import LayerShape, PreNormBlock, RMSNorm, apply_rope, rope_cos_sin
+from dspark.models.layers import (
+    Attention,
+    LayerShape,
+    PreNormBlock,
+    RMSNorm,
+    apply_rope,
+    rope_cos_sin,
+)
 
 
 @dataclass
@@ -40,14 +47,8 @@ class KVCache:
         return self.slots - 1
 
 
-class Attention(nn.Module):
-    def __init__(self, s: LayerShape):
-        super().__init__()
-        self.s = s
-        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=False)
-        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
-        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+class CachedAttention(Attention):
+    """The drafts' attention projections, reading and writing the static cache."""
 
     def forward(self, x, rope, cache_k, cache_v, write_pos, mask, span):
         """x [B, T, H]; cache_k/v [B, nkv, M, d] (this layer's, updated in place);
@@ -73,7 +74,7 @@ class Llama(nn.Module):
         super().__init__()
         self.s = s
         self.embed_tokens = nn.Embedding(vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(PreNormBlock(s, Attention(s)) for _ in range(num_layers))
+        self.layers = nn.ModuleList(PreNormBlock(s, CachedAttention(s)) for _ in range(num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, vocab_size, bias=False)
 
