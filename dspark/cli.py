@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     for stage in STAGES:
         p = sub.add_parser(stage.name, help=stage.help)
         _common(p)
-        if stage.name == "prepare":
+        if stage.name in ("prepare", "evaluate"):
             p.add_argument(
                 "--prompts",
                 type=Path,

@@ -297,18 +297,57 @@ class TrainConfig(Section):
     seed: int = 0
 
 
+class NgramConfig(Section):
+    k: PosInt | None = Field(None, description="tokens proposed per step (default: block size)")
+    windows: list[tuple[PosInt, PosInt]] = Field(
+        [(5, 5), (3, 5), (1, 3)],
+        min_length=1,
+        description="(prompt_lookup_min, prompt_lookup_max) pairs swept; the first is vLLM's "
+        "default; the best mean tau on the sweep prompts is reported",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        for lo, hi in self.windows:
+            if lo > hi:
+                raise ValueError(f"windows: ({lo}, {hi}) has min above max")
+        return self
+
+
+class LmEvalConfig(Section):
+    limit: NonNegInt = Field(
+        5, description="GSM8K problems scored through lm-eval per method (0: skip)"
+    )
+    max_gen_toks: PosInt = 128
+    methods: list[Literal["dspark", "eagle3", "ngram", "none"]] = Field(
+        ["none", "dspark"], min_length=1, description="scored side by side; greedy, so equal"
+    )
+
+
 class EvaluateConfig(Section):
-    methods: list[Literal["dspark", "eagle3", "ngram", "none"]] = [
-        "dspark",
-        "eagle3",
-        "ngram",
-        "none",
-    ]
+    methods: list[Literal["dspark", "eagle3", "ngram", "none"]] = Field(
+        ["dspark", "eagle3", "ngram", "none"], min_length=1
+    )
     max_new_tokens: dict[Category, PosInt] = Field(
         default_factory=lambda: dict.fromkeys((*CATEGORIES, *LONG_CATEGORIES), 128),
         description="generation cap per category",
     )
-    temperature: Annotated[float, Field(gt=0.0)] = 0.7
+    prompts_per_category: PosInt | None = Field(
+        None, description="evaluate the first N prompts of each category (default: all)"
+    )
+    temperature: Annotated[float, Field(gt=0.0)] = Field(
+        0.7, description="the sampling run's temperature (lossless rejection sampling)"
+    )
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    sampling_prompts_per_category: NonNegInt = Field(
+        1, description="prompts per category also decoded with sampling (0: no sampling run)"
+    )
+    ngram: NgramConfig = NgramConfig()
+    lossless_check: bool = Field(
+        True, description="compare every greedy output with transformers' greedy generate"
+    )
+    lm_eval: LmEvalConfig = LmEvalConfig()
+    seed: int = 0
 
 
 class BenchmarkConfig(Section):

@@ -32,6 +32,9 @@ TRAIN_CURVES = "plots/train_curves.csv"
 TRAIN_CURVES_PNG = "plots/train_curves.png"
 RUN_SUMMARY = "metrics/run.json"
 PREPARE_LENGTHS = "plots/prepare_lengths.csv"
+EVAL_PLOTS = "plots"
+EVAL_REPORT = "metrics/eval_report.md"
+EVAL_RECORDS = "artifacts/eval_records"
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,12 @@ class Stage:
     artifacts: tuple[str, ...] = field(default=())  # small outputs worth attaching to the run
     children: tuple[str, ...] = field(default=())  # event prefixes logged as child runs
     register: tuple[str, str, str] | None = None  # (child, folder, MLflow registered model)
+    metrics_name: str | None = None  # metrics/<this>.json, when not the stage's name
+    report: str | None = None  # a markdown report, shown as a Prefect artifact
 
     @property
     def metrics(self) -> str:
-        return f"metrics/{self.name}.json"
+        return f"metrics/{self.metrics_name or self.name}.json"
 
     @property
     def events(self) -> str:
@@ -145,6 +150,21 @@ def _export(ctx: StageContext) -> dict:
         target_dir=ctx.path(TARGET_DIR),
         out_dir=ctx.path(EXPORT_DIR),
     )
+
+
+def _evaluate(ctx: StageContext) -> dict:
+    from dspark.evaluate.stage import EvalPaths, evaluate
+
+    paths = EvalPaths(
+        target=ctx.path(TARGET_DIR),
+        drafts=ctx.path(DRAFTS),
+        prompts=ctx.path(EVAL_PROMPTS),
+        plots=ctx.path(EVAL_PLOTS),
+        report=ctx.path(EVAL_REPORT),
+        records=ctx.path(EVAL_RECORDS),
+        events=ctx.path(BY_NAME["evaluate"].events),
+    )
+    return evaluate(ctx.params, paths, prompts_file=ctx.prompts_file)
 
 
 # Code and data packages whose versions a run's results depend on.
@@ -235,6 +255,34 @@ STAGES: tuple[Stage, ...] = (
         outs=(EXPORT_DIR,),
         artifacts=(f"{EXPORT_DIR}/config.json",),
     ),
+    Stage(
+        name="evaluate",
+        help="speculative decoding per category: DSpark, EAGLE-3, n-gram and the target alone",
+        run=_evaluate,
+        params=("target", "evaluate", "train.dspark.block_size"),
+        deps=(
+            TARGET_DIR,
+            DRAFTS,
+            EVAL_PROMPTS,
+            "dspark/decode",
+            "dspark/evaluate",
+            "dspark/models",
+            "dspark/data/prompts.py",
+            "dspark/train/checkpoint.py",
+        ),
+        outs=(EVAL_RECORDS,),
+        persist=True,  # the records are the stage's checkpoint: a rerun resumes from them
+        metrics_name="eval",
+        report=EVAL_REPORT,
+        plots=(
+            Plot("plots/eval_tau.csv", x="category", y="tau"),
+            Plot("plots/eval_pos_accept.csv", x="slot", y="accept"),
+            Plot("plots/eval_calibration.csv", x="predicted", y="observed"),
+            Plot("plots/eval.png"),
+        ),
+        artifacts=(EVAL_REPORT, "plots/eval.png", "plots/eval_tau.csv"),
+        children=("dspark", "eagle3", "ngram", "none"),
+    ),
 )
 
 BY_NAME = {s.name: s for s in STAGES}
@@ -304,14 +352,15 @@ def dvc_yaml() -> str:
             "params": [*PROFILE_KEYS, *s.params],
             "outs": [
                 {o: {"persist": True}} if s.persist or o in s.persist_outs else o for o in s.outs
-            ],
+            ]
+            or None,
             "metrics": [{s.metrics: {"cache": False}}],
         }
         if s.plots:
             entry["plots"] = [
                 {p.path: {"cache": False, **({"x": p.x, "y": p.y} if p.x else {})}} for p in s.plots
             ]
-        stages[s.name] = entry
+        stages[s.name] = {k: v for k, v in entry.items() if v is not None}
     doc = {"stages": stages, "metrics": [RUN_SUMMARY]}
     header = (
         "# Generated from dspark/stages.py by `dspark dvc-yaml`: edit the registry, not this.\n"

@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from dspark import stages
@@ -119,9 +120,11 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
             tracker.artifact(run_id, root_path / rel)
         # Each draft's summary goes beside its step metrics under final/, so MLflow's latest
         # value of a step metric stays the last step's.
+        # Train keeps each draft's summary at the top level, evaluate under "overall".
+        summaries = doc.get("overall") if isinstance(doc.get("overall"), dict) else doc
         for draft in stage.children:
-            if isinstance(doc.get(draft), dict):
-                final = {k: v for k, v in doc[draft].items() if k != "curve"}
+            if isinstance(summaries.get(draft), dict):
+                final = {k: v for k, v in summaries[draft].items() if k != "curve"}
                 tracker.metrics(child(draft), {"final": final})
         for variant, values in (doc.get("markov_ablation") or {}).items():
             draft = "dspark" if variant == "vanilla" else f"dspark_{variant}"
@@ -140,6 +143,12 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
                     },
                 )
                 logger.info("registered %s version %s", model_name, version)
+        if stage.report and (root_path / stage.report).is_file():
+            create_markdown_artifact(
+                markdown=(root_path / stage.report).read_text(),
+                key=f"{name}-report",
+                description=f"{name} ({profile} profile)",
+            )
         ok = True
         return {"stage": name, "cached": cached, "run_id": run_id, "metrics": doc}
     finally:

@@ -496,7 +496,10 @@ def build_eval_prompts(
         if category in BUILDERS:
             out += BUILDERS[category](count, seed)
         else:
-            tokens = long_context_tokens if category == "long_context" else 4096
+            # long_context_4k is 4K tokens, or the whole budget on a target with less context.
+            tokens = long_context_tokens
+            if category == "long_context_4k":
+                tokens = min(4096, long_context_tokens)
             out += long_context(
                 count, seed, num_tokens=tokens, count_tokens=count_tokens, category=category
             )

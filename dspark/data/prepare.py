@@ -42,11 +42,13 @@ class PreparePaths:
 
 
 def long_context_tokens(params: Params, target: Target) -> int:
-    """As long as the target's context allows after max_new_tokens and one draft block."""
+    """As long as the target's context allows after the chat template, max_new_tokens and one
+    draft block (the text's own count leaves out the template's tokens around it)."""
     if params.data.long_context_tokens:
         return params.data.long_context_tokens
+    template = len(target.chat_ids([{"role": "user", "content": ""}]))
     reserve = params.evaluate.max_new_tokens["long_context"] + params.train.dspark.block_size
-    return target.max_context - reserve
+    return target.max_context - reserve - template
 
 
 def build_eval_set(params: Params, target: Target, user_file: Path | None = None) -> list[Prompt]:

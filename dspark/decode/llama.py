@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.layers import (
@@ -28,6 +27,7 @@ from dspark.models.layers import (
     PreNormBlock,
     RMSNorm,
     apply_rope,
+    gqa_attention,
     rope_cos_sin,
 )
 
@@ -62,11 +62,8 @@ class CachedAttention(Attention):
         rows = torch.arange(b, device=x.device)[:, None]
         cache_k[rows, :, write_pos] = k.transpose(1, 2)  # [B, T, nkv, d] into slots
         cache_v[rows, :, write_pos] = v.transpose(1, 2)
-        groups = s.num_heads // s.num_kv_heads
-        keys = cache_k[:, :, :span].repeat_interleave(groups, dim=1)
-        values = cache_v[:, :, :span].repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
+        return self.o_proj(gqa_attention(q, keys, values, mask))
 
 
 class Llama(nn.Module):
@@ -94,8 +91,8 @@ class Llama(nn.Module):
         """A cache of `slots` positions per row (plus the scratch slot)."""
         s = self.s
         shape = (len(self.layers), batch, s.num_kv_heads, slots + 1, s.head_dim)
-        dtype = self.embed_tokens.weight.dtype
-        return KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        w = self.embed_tokens.weight
+        return KVCache(w.new_zeros(shape), w.new_zeros(shape))
 
     @torch.no_grad()
     def forward(
@@ -106,10 +103,12 @@ class Llama(nn.Module):
         valid: torch.Tensor | None = None,  # [B, T] bool: False for padding
         taps: tuple[int, ...] = (),
         logits: bool = True,
+        logits_at: torch.Tensor | None = None,  # [B, n]: only these of the T tokens need them
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """-> logits [B, T, V] (or the last layer's normed hidden state [B, T, H] when
-        `logits` is False), and {layer i: output of decoder layer i [B, T, H]} for `taps`
-        (the last layer's is before the final norm)."""
+        """-> logits [B, T, V] ([B, n, V] with `logits_at`; or the last layer's normed hidden
+        state when `logits` is False), and {layer i: output of decoder layer i [B, T, H]} for
+        `taps` (the last layer's is before the final norm). A long prefill needs `logits_at`:
+        logits for every one of 8K positions would take gigabytes."""
         if valid is None:
             valid = torch.ones_like(tokens, dtype=torch.bool)
         last = int(torch.where(valid, positions, 0).max())
@@ -128,5 +127,7 @@ class Llama(nn.Module):
             x = layer(x, rope, cache.k[i], cache.v[i], write_pos, mask, span)
             if i in taps:
                 kept[i] = x
+        if logits_at is not None:
+            x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
         h = self.norm(x)
         return (self.lm_head(h) if logits else h), kept

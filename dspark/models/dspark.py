@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.layers import (
@@ -35,6 +34,7 @@ from dspark.models.layers import (
     PreNormBlock,
     RMSNorm,
     apply_rope,
+    gqa_attention,
     rope_cos_sin,
 )
 
@@ -69,28 +69,32 @@ class BlockAttention(nn.Module):
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
 
+    def context_kv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, M, H] (context features or normed block states) -> k, v [B, nkv, M, d].
+        Context keys depend only on the context, so decoding caches them per layer."""
+        s = self.s
+        b, m, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, m, s.num_kv_heads, s.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, m, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        return apply_rope(k, *rope), v
+
     def forward(
         self,
         x: torch.Tensor,  # [B, Q, H] normed block states
-        ctx: torch.Tensor,  # [B, S, H] context features
+        ctx_k: torch.Tensor,  # [B, nkv, S, d] context keys (context_kv's)
+        ctx_v: torch.Tensor,
         rope_q: tuple[torch.Tensor, torch.Tensor],  # [B, Q, d] at the block positions
-        rope_kv: tuple[torch.Tensor, torch.Tensor],  # [B, S+Q, d] context then block
-        mask: torch.Tensor,  # [B, Q, S+Q] bool
+        mask: torch.Tensor,  # [B, Q, S+Q] bool: context then block
     ) -> torch.Tensor:
         s = self.s
         b, q_len, _ = x.shape
-        kv_in = torch.cat((ctx, x), dim=1)
-        m = kv_in.shape[1]
         q = self.q_norm(self.q_proj(x).view(b, q_len, s.num_heads, s.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(b, m, s.num_kv_heads, s.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, m, s.num_kv_heads, s.head_dim).transpose(1, 2)
         q = apply_rope(q, *rope_q)
-        k = apply_rope(k, *rope_kv)
-        groups = s.num_heads // s.num_kv_heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        k, v = self.context_kv(x, rope_q)
+        k, v = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
+        return self.o_proj(gqa_attention(q, k, v, mask))
 
 
 class MarkovHead(nn.Module):
@@ -219,11 +223,43 @@ class DSparkDraft(nn.Module):
         block_pos = (anchors[:, :, None] + slot).view(b, a * k)  # [B, Q]
         ctx_pos = torch.arange(s, device=dev).expand(b, s)
         rope_q = rope_cos_sin(block_pos, sh.head_dim, sh.rope_theta)
-        rope_kv = rope_cos_sin(torch.cat((ctx_pos, block_pos), 1), sh.head_dim, sh.rope_theta)
+        rope_ctx = rope_cos_sin(ctx_pos, sh.head_dim, sh.rope_theta)
         mask = block_mask(anchors, k, s, ctx_len)
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_kv, mask)
+            ctx_k, ctx_v = layer.self_attn.context_kv(ctx, rope_ctx)
+            x = layer(x, ctx_k, ctx_v, rope_q, mask)
         return self.norm(x).view(b, a, k, -1)
+
+    def draft_hidden(
+        self,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: cached [B, nkv, S, d]
+        ctx_len: torch.Tensor,  # [B] context positions each row has (= its anchor position)
+        anchor_ids: torch.Tensor,  # [B]
+    ) -> torch.Tensor:
+        """Decoding: one block per row at its anchor over cached context keys -> [B, K, H]."""
+        b, k, sh = anchor_ids.shape[0], self.cfg.block_size, self.cfg.layer
+        span = ctx_kv[0][0].shape[2]
+        slot = torch.arange(k, device=anchor_ids.device)
+        block_ids = torch.full((b, k), self.cfg.mask_token_id, device=anchor_ids.device)
+        block_ids[:, 0] = anchor_ids
+        rope_q = rope_cos_sin(ctx_len[:, None] + slot, sh.head_dim, sh.rope_theta)
+        sees_ctx = torch.arange(span, device=anchor_ids.device)[None, :] < ctx_len[:, None]
+        mask = torch.cat(
+            (sees_ctx[:, None].expand(b, k, span), sees_ctx.new_ones(b, k, k)), dim=2
+        )  # [B, K, S+K]
+        x = self.embed(block_ids)
+        for layer, (ctx_k, ctx_v) in zip(self.layers, ctx_kv, strict=True):
+            x = layer(x, ctx_k, ctx_v, rope_q, mask)
+        return self.norm(x)
+
+    def confidence(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """hidden [..., H], prev [...] (the token before each slot's) -> logits [...] or None."""
+        if self.confidence_head is None:
+            return None
+        feats = hidden
+        if self.cfg.confidence_with_markov:
+            feats = torch.cat((hidden, self.markov_head.markov_w1(prev)), dim=-1)
+        return self.confidence_head(feats)
 
     # --- heads ------------------------------------------------------------------------------
 
@@ -233,15 +269,9 @@ class DSparkDraft(nn.Module):
         """Teacher-forced heads. hidden [N, K, H], prev [N, K] (the token before each slot's)
         -> logits [N, K, d] with the Markov bias, confidence logits [N, K] or None."""
         logits = self.lm_head(hidden)
-        conf = None
         if self.markov_head is not None:
             logits = logits + self.markov_head.block_bias(prev, hidden)
-        if self.confidence_head is not None:
-            feats = hidden
-            if self.cfg.confidence_with_markov:
-                feats = torch.cat((hidden, self.markov_head.markov_w1(prev)), dim=-1)
-            conf = self.confidence_head(feats)
-        return logits, conf
+        return logits, self.confidence(hidden, prev)
 
     def forward_train(
         self,

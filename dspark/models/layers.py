@@ -132,13 +132,24 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.s.num_heads, self.s.head_dim).transpose(1, 2)
         q = apply_rope(q, cos, sin)
-        groups = self.s.num_heads // self.s.num_kv_heads
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-        if mask.dim() == 3:
-            mask = mask[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nh, N, d]
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return self.o_proj(gqa_attention(q, k, v, mask))
+
+
+def gqa_attention(
+    q: torch.Tensor,  # [B, nh, N, d]
+    k: torch.Tensor,  # [B, nkv, M, d]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [B, N, M] or [N, M] bool, True = may attend
+) -> torch.Tensor:
+    """Grouped-query attention -> [B, N, nh*d], without copying keys and values per head: the g
+    query heads sharing a kv head (head h reads kv head h // g) become g*N queries of it."""
+    b, nh, n, d = q.shape
+    nkv, m = k.shape[1], k.shape[2]
+    g = nh // nkv
+    q = q.reshape(b, nkv, g * n, d)
+    mask = mask.expand(b, n, m)[:, None, None].expand(b, 1, g, n, m).reshape(b, 1, g * n, m)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, nkv, g*N, d]
+    return out.reshape(b, nh, n, d).transpose(1, 2).reshape(b, n, nh * d)
 
 
 class MLP(nn.Module):

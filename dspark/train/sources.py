@@ -18,13 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from dspark.config import Params
 from dspark.errors import DataError
-from dspark.schema import SCHEMA_VERSION, Sample
-from dspark.transport.files import read_hidden_manifest
-from dspark.transport.wire import verify
+from dspark.schema import Sample
+from dspark.transport.files import read_entry, read_hidden_manifest
 
 
 def split_eval(ids: list[int], count: int) -> tuple[list[int], list[int]]:
@@ -97,10 +95,7 @@ class HiddenShards:
             entry = self.entries.get(sid)
             if entry is None:
                 raise DataError(f"{self.folder}: no sample {sid}")
-            with safe_open(str(self.folder / entry["shard"]), framework="pt") as f:
-                tensors = {k: f.get_tensor(f"{sid}/{k}") for k in entry["crc32"]}
-            meta = {"sample_id": sid, "schema_version": SCHEMA_VERSION, "crc32": entry["crc32"]}
-            yield verify({"metadata": meta}, tensors)
+            yield read_entry(self.folder, entry)
 
 
 @contextmanager

@@ -8,8 +8,8 @@ hidden states, then written as draft folders with their curves and metrics.
 from __future__ import annotations
 
 import csv
+import functools
 import hashlib
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,25 +190,20 @@ def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
         cfg=t,
         runs=runs,
         head=head,
-        draft_ids=draft_ids,
         checkpoint_dir=paths.checkpoint,
         fingerprint=fp,
         events=EventLog(paths.events),
         progress=progress,
     )
 
-    @contextmanager
-    def source(ids: list[int]):
-        with open_source(
-            params,
-            ids,
-            target_dir=paths.target,
-            shards_dir=paths.shards,
-            hidden_dir=paths.hidden,
-            online=online,
-        ) as src:
-            yield src
-
+    source = functools.partial(
+        open_source,
+        params,
+        target_dir=paths.target,
+        shards_dir=paths.shards,
+        hidden_dir=paths.hidden,
+        online=online,
+    )
     loop = trainer.fit(source, train_ids, eval_ids)
     coverage = float(counts[draft_ids].sum() / counts.sum().clamp_min(1))
     provenance = {

@@ -135,7 +135,6 @@ class Trainer:
     cfg: TrainConfig
     runs: list[DraftRun]
     head: TargetHead
-    draft_ids: torch.Tensor
     checkpoint_dir: Path
     fingerprint: str  # what the run depends on; a checkpoint with another is not resumed
     events: EventLog | None = None

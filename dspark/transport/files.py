@@ -93,14 +93,13 @@ def iter_hidden(folder: Path) -> Iterator[Sample]:
     if not doc["payload"]:
         raise DataError(f"{folder}: extracted online; no hidden states were kept on disk")
     for entry in sorted(doc["samples"], key=lambda e: e["sample_id"]):
-        sid = entry["sample_id"]
-        with safe_open(str(folder / entry["shard"]), framework="pt") as f:
-            tensors = {k: f.get_tensor(f"{sid}/{k}") for k in entry["crc32"]}
-        manifest = {
-            "metadata": {
-                "sample_id": sid,
-                "schema_version": SCHEMA_VERSION,
-                "crc32": entry["crc32"],
-            }
-        }
-        yield verify(manifest, tensors)
+        yield read_entry(folder, entry)
+
+
+def read_entry(folder: Path, entry: dict) -> Sample:
+    """One sample of the manifest, CRC-verified."""
+    sid = entry["sample_id"]
+    with safe_open(str(Path(folder) / entry["shard"]), framework="pt") as f:
+        tensors = {k: f.get_tensor(f"{sid}/{k}") for k in entry["crc32"]}
+    meta = {"sample_id": sid, "schema_version": SCHEMA_VERSION, "crc32": entry["crc32"]}
+    return verify({"metadata": meta}, tensors)

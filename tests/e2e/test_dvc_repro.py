@@ -30,5 +30,11 @@ def test_dvc_repro_smoke(tmp_path):
     export = json.loads((repo / "metrics" / "export.json").read_text())
     assert export["roundtrip_max_abs_diff"] == 0.0 and export["roundtrip_vocab_equal"]
     assert (repo / "artifacts" / "export" / "dspark" / "config.json").is_file()
+    ev = json.loads((repo / "metrics" / "eval.json").read_text())
+    assert ev["lossless_mismatches"] == 0 and ev["lossless"]["checked"] > 0
+    assert set(ev["mean"]) == {"dspark", "eagle3", "ngram", "none"} and ev["mean"]["none"] == 1.0
+    assert ev["quality"]["identical_scores"] and "sampling" in ev
+    assert (repo / "metrics" / "eval_report.md").is_file()
+    assert (repo / "plots" / "eval.png").is_file()
     shown = run([str(BIN / "dvc"), "metrics", "show", "--json"], repo, env)
     assert shown.returncode == 0 and "num_samples" in shown.stdout

@@ -21,6 +21,19 @@ def test_dvc_yaml_is_derived_from_the_registry():
     assert (ROOT / "dvc.yaml").read_text() == dvc_yaml()
 
 
+def test_every_stage_param_is_written_in_params_yaml():
+    """DVC reads a stage's dotted params from the file itself, defaults do not count."""
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for stage in STAGES:
+        for key in stage.params:
+            node = raw
+            for part in key.split("."):
+                assert isinstance(node, dict) and part in node, f"{stage.name}: {key}"
+                node = node[part]
+
+
 def test_flows_cover_every_stage():
     from flows.stages import STAGE_FLOWS
 

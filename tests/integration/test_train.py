@@ -61,7 +61,6 @@ def make_trainer(params, tiny_target, samples, folder, **kw) -> Trainer:
         cfg=params.train,
         runs=runs,
         head=TargetHead(tiny_target.norm, tiny_target.lm_head, draft_ids),
-        draft_ids=draft_ids,
         checkpoint_dir=folder,
         fingerprint="test",
         progress=False,

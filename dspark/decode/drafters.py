@@ -1,0 +1,186 @@
+"""The trained drafts as proposers, each with its own static cache of the target's features.
+
+DSpark: the context is the fused features of every position before the anchor; each layer's keys
+and values of it depend on nothing else, so they are cached as positions become final. One
+backbone pass drafts a whole block; the Markov head then runs slot by slot, each slot conditioned
+on the token actually chosen for the slot before it, with a confidence per slot.
+
+EAGLE-3: index i of its cache holds the keys of [embed(x_i); feature f_{i-1}] (f_{-1} = 0), as
+step 0 of training-time test builds them. Drafting starts from step 0's output at the anchor and
+runs one step per token, each attending to the cache up to the anchor and to its own earlier steps.
+
+Shape glossary: B rows, M slots, T new positions, K drafted tokens, H hidden, d draft vocabulary,
+V the target's vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.decode.proposers import Proposal, Proposer
+from dspark.decode.sampling import Sampling, choose
+from dspark.models.dspark import DSparkDraft
+from dspark.models.eagle3 import Eagle3Draft
+from dspark.models.layers import rope_cos_sin
+
+
+def _slots(start: torch.Tensor, count: torch.Tensor, width: int, scratch: int):
+    """Positions start..start+width-1 per row -> (positions [B, T], valid [B, T], where each
+    writes [B, T]: padding goes to the scratch slot)."""
+    offset = torch.arange(width)
+    positions = start[:, None] + offset
+    valid = offset[None, :] < count[:, None]
+    return positions, valid, torch.where(valid, positions, scratch)
+
+
+def _full_vocab(probs: torch.Tensor | None, draft_ids: torch.Tensor, vocab: int):
+    """[B, d] probabilities over the draft vocabulary -> [B, V] over the target's."""
+    if probs is None:
+        return None
+    return probs.new_zeros(probs.shape[0], vocab).index_copy_(1, draft_ids, probs)
+
+
+class DSparkProposer(Proposer):
+    name = "dspark"
+
+    def __init__(self, model: DSparkDraft, draft_ids: torch.Tensor):
+        self.model = model.eval().requires_grad_(False)
+        self.draft_ids = draft_ids
+        self.k = model.cfg.block_size
+        self.taps = model.cfg.aux_layers
+
+    def start(self, batch, slots):
+        s = self.model.cfg.layer
+        shape = (batch, s.num_kv_heads, slots + 1, s.head_dim)  # + the scratch slot
+        w = self.model.fc.weight
+        self.cache = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.model.layers]
+        self.scratch = slots
+
+    @torch.no_grad()
+    def extend(self, seq, start, count, feats):
+        aux = torch.cat([feats[i] for i in self.taps], dim=-1)  # [B, T, L*H]
+        positions, _, write = _slots(start, count, aux.shape[1], self.scratch)
+        s = self.model.cfg.layer
+        rope = rope_cos_sin(positions, s.head_dim, s.rope_theta)
+        ctx = self.model.context(aux)
+        rows = torch.arange(aux.shape[0])[:, None]
+        for layer, (cache_k, cache_v) in zip(self.model.layers, self.cache, strict=True):
+            k, v = layer.self_attn.context_kv(ctx, rope)  # [B, nkv, T, d]
+            cache_k[rows, :, write] = k.transpose(1, 2)
+            cache_v[rows, :, write] = v.transpose(1, 2)
+
+    @torch.no_grad()
+    def propose(self, seq, n, active, sampling: Sampling, gen):
+        m = self.model
+        b = seq.shape[0]
+        rows = torch.arange(b)
+        span = int(n.max())
+        anchor = seq[rows, n]
+        ctx_kv = [(k[:, :, :span], v[:, :, :span]) for k, v in self.cache]
+        hidden = m.draft_hidden(ctx_kv, n, anchor)  # [B, K, H]
+        base = m.lm_head(hidden)  # [B, K, d]
+        prev, state = anchor, None
+        tokens, qs, confs = [], [], []
+        for j in range(self.k):
+            logits = base[:, j]
+            if m.markov_head is not None:
+                bias, state = m.markov_head.step(prev, hidden[:, j], state)
+                logits = logits + bias
+            conf = m.confidence(hidden[:, j], prev)
+            if conf is not None:
+                confs.append(torch.sigmoid(conf))
+            picked, probs = choose(logits, sampling, gen)
+            prev = self.draft_ids[picked]
+            tokens.append(prev)
+            qs.append(_full_vocab(probs, self.draft_ids, m.cfg.vocab_size))
+        return Proposal(
+            torch.stack(tokens, 1),
+            torch.full((b,), self.k),
+            None if sampling.greedy else torch.stack(qs, 1),
+            torch.stack(confs, 1) if confs else None,
+        )
+
+
+class Eagle3Proposer(Proposer):
+    name = "eagle3"
+
+    def __init__(self, model: Eagle3Draft, draft_ids: torch.Tensor):
+        self.model = model.eval().requires_grad_(False)
+        self.draft_ids = draft_ids
+        self.k = model.cfg.ttt_steps
+        self.taps = model.cfg.aux_layers
+
+    def start(self, batch, slots):
+        s = self.model.cfg.layer
+        shape = (batch, s.num_kv_heads, slots + 1, s.head_dim)
+        w = self.model.fc.weight
+        self.cache_k, self.cache_v = w.new_zeros(shape), w.new_zeros(shape)
+        self.scratch = slots
+        self.anchor_hidden = w.new_zeros(batch, s.hidden_size)  # step 0's output at the anchor
+
+    def _rope(self, positions):
+        s = self.model.cfg.layer
+        return rope_cos_sin(positions, s.head_dim, s.rope_theta)
+
+    @torch.no_grad()
+    def extend(self, seq, start, count, feats):
+        """Writes step 0's keys for indices start+1..start+count (and index 0 on a row's first
+        call), then runs step 0 at the new anchor, index start+count."""
+        m, layer = self.model, self.model.layer
+        b = seq.shape[0]
+        rows = torch.arange(b)
+        fused = m.fc(m.input_norm(torch.cat([feats[i] for i in self.taps], dim=-1)))  # [B, T, H]
+        feature = torch.cat((fused.new_zeros(b, 1, fused.shape[2]), fused), dim=1)  # f_{i-1}
+        positions, valid, write = _slots(start, count + 1, feature.shape[1], self.scratch)
+        valid[:, 0] &= start == 0  # index `start` already holds its keys unless it is 0
+        write = torch.where(valid, write, self.scratch)
+        tokens = seq.gather(1, positions.clamp_max(seq.shape[1] - 1))
+        x = layer.attn_input(m.embed(tokens), feature)  # [B, T+1, 2H]
+        cos, sin = self._rope(positions)
+        k, v = layer.self_attn.project_kv(x, cos, sin)
+        self.cache_k[rows[:, None], :, write] = k.transpose(1, 2)
+        self.cache_v[rows[:, None], :, write] = v.transpose(1, 2)
+        # Step 0 at each gaining row's anchor (index start+count, the entry `count` in).
+        grew = count > 0
+        at = count[:, None]
+        anchor_x = x[rows, count][:, None]  # [B, 1, 2H]
+        anchor_pos = positions.gather(1, at)
+        span = int(anchor_pos.max()) + 1
+        mask = torch.arange(span)[None, None, :] <= anchor_pos[:, :, None]  # [B, 1, span]
+        cos, sin = self._rope(anchor_pos)
+        out = layer.self_attn(
+            anchor_x, cos, sin, self.cache_k[:, :, :span], self.cache_v[:, :, :span], mask
+        )
+        hidden = layer.finish(feature[rows, count][:, None], out)[:, 0]
+        self.anchor_hidden = torch.where(grew[:, None], hidden, self.anchor_hidden)
+
+    @torch.no_grad()
+    def propose(self, seq, n, active, sampling: Sampling, gen):
+        m, layer = self.model, self.model.layer
+        b = seq.shape[0]
+        span = int(n.max()) + 1
+        context = (torch.arange(span)[None, :] <= n[:, None])[:, None]  # [B, 1, span]
+        keys, values = [self.cache_k[:, :, :span]], [self.cache_v[:, :, :span]]
+        hidden = self.anchor_hidden
+        tokens, qs = [], []
+        for j in range(self.k):
+            logits = m.lm_head(m.norm(hidden))  # [B, d]
+            picked, probs = choose(logits, sampling, gen)
+            token = self.draft_ids[picked]
+            tokens.append(token)
+            qs.append(_full_vocab(probs, self.draft_ids, m.cfg.vocab_size))
+            if j == self.k - 1:
+                break
+            x = layer.attn_input(m.embed(token), hidden)[:, None]  # [B, 1, 2H] at n+j+1
+            cos, sin = self._rope((n + j + 1)[:, None])
+            k, v = layer.self_attn.project_kv(x, cos, sin)
+            keys.append(k)
+            values.append(v)
+            mask = torch.cat((context, context.new_ones(b, 1, j + 1)), dim=2)
+            out = layer.self_attn(x, cos, sin, torch.cat(keys, 2), torch.cat(values, 2), mask)
+            hidden = layer.finish(hidden[:, None], out)[:, 0]
+        return Proposal(
+            torch.stack(tokens, 1),
+            torch.full((b,), self.k),
+            None if sampling.greedy else torch.stack(qs, 1),
+        )

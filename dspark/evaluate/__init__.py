@@ -1,0 +1,1 @@
+"""The acceptance evaluation: speculative decoding per category and method."""

@@ -1,0 +1,158 @@
+"""The evaluate stage on the tiny target with untrained drafts: every method decodes every
+category losslessly, the n-gram sweep picks a window, sampling and calibration are reported,
+lm-eval scores both methods identically, and bad prompt files fail in one line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dspark.config import load_params
+from dspark.errors import DataError
+from dspark.evaluate.stage import EvalPaths, evaluate
+from dspark.io import atomic_dir
+from dspark.train.checkpoint import save_draft
+from tests.conftest import ROOT
+from tests.unit.test_spec_decode import tiny_drafts
+
+PROMPTS = [
+    {"id": "m", "category": "math_reasoning", "prompt": "What is 3 + 4? Then add 5."},
+    {"id": "m2", "category": "math_reasoning", "prompt": "Count from one to ten."},
+    {"id": "w", "category": "writing", "prompt": "A haiku about rain, rain, rain."},
+    {"id": "l", "category": "long_context", "prompt": "the same words again " * 150},
+]
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_target, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("drafts")
+    for name, (model, ids) in zip(("dspark", "eagle3"), tiny_drafts(tiny_target), strict=True):
+        with atomic_dir(folder / name) as tmp:
+            save_draft(tmp, model, ids, {})
+    return folder
+
+
+def params(*overrides):
+    return load_params(
+        ROOT / "params.yaml",
+        profile="smoke",
+        overrides=[
+            "evaluate.max_new_tokens.math_reasoning=12",
+            "evaluate.max_new_tokens.writing=12",
+            "evaluate.max_new_tokens.long_context=12",
+            "evaluate.prompts_per_category=2",
+            "evaluate.lm_eval.limit=2",
+            "evaluate.lm_eval.max_gen_toks=16",
+            *overrides,
+        ],
+    )
+
+
+def write_prompts(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    paths = EvalPaths(
+        target=tiny_target_dir,
+        drafts=drafts,
+        prompts=prompts,
+        plots=tmp_path / "plots",
+        report=tmp_path / "report.md",
+        records=tmp_path / "records",
+    )
+    torch.manual_seed(0)
+    result = evaluate(params(), paths)
+    assert result["resumed_decodes"] == 0
+    assert result["prompts"] == {"math_reasoning": 2, "writing": 1, "long_context": 1}
+    for cat in result["prompts"]:
+        for m in ("dspark", "eagle3", "ngram", "none"):
+            assert result["categories"][cat][m]["tau"] >= 1.0
+    assert result["categories"]["math_reasoning"]["none"]["tau"] == 1.0
+    assert result["lossless_mismatches"] == 0
+    # 4 prompts x 4 methods, each checked against transformers
+    assert result["lossless"]["checked"] == 16
+    assert tuple(result["ngram_window"]) in {(5, 5), (1, 3)}
+    assert set(result["sampling"]["mean"]) == {"dspark", "eagle3", "ngram", "none"}
+    assert result["calibration"]["n"] > 0 and 0 <= result["calibration"]["ece"] <= 1
+    q = result["quality"]
+    assert q["identical_outputs"] and q["identical_scores"]
+    assert set(q["exact_match"]) == {"none", "dspark"}
+    for name in ("eval_tau.csv", "eval_pos_accept.csv", "eval_calibration.csv", "eval.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 0
+    assert "Lossless: 0 mismatches" in (tmp_path / "report.md").read_text()
+
+    # A rerun replays every recorded decode (the stage's checkpoint): the same figures, timings
+    # included, with nothing decoded again. A record cut short by a stop is dropped, not trusted.
+    record = next((tmp_path / "records").glob("*.jsonl"))
+    lines = record.read_text().splitlines()
+    again = evaluate(params(), paths)
+    assert again["resumed_decodes"] == len(lines)
+    for key in ("categories", "mean", "overall", "sampling", "calibration", "lossless"):
+        assert again[key] == result[key], key
+    record.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
+    cut = evaluate(params(), paths)
+    assert cut["resumed_decodes"] == len(lines) - 1 and cut["mean"] == result["mean"]
+    # A prompt's new cap decodes that prompt again, and only that one ...
+    other = evaluate(params("evaluate.max_new_tokens.writing=10"), paths)
+    writing = sum(k.startswith("w|") for k in map(lambda ln: ln.split('"')[3], lines))
+    assert other["resumed_decodes"] == len(lines) - writing
+    # ... while what decides every decode (here the sampling temperature) starts afresh.
+    hotter = evaluate(params("evaluate.temperature=0.9"), paths)
+    assert hotter["resumed_decodes"] == 0 and len(list((tmp_path / "records").glob("*"))) == 1
+
+
+def test_missing_draft_is_a_clear_error(tiny_target_dir, tmp_path):
+    paths = EvalPaths(
+        target=tiny_target_dir,
+        drafts=tmp_path / "none-here",
+        prompts=write_prompts(tmp_path / "p.jsonl", PROMPTS[:1]),
+        plots=tmp_path / "plots",
+        report=tmp_path / "r.md",
+        records=tmp_path / "records",
+    )
+    with pytest.raises(DataError, match="no trained dspark draft"):
+        evaluate(params(), paths)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"category": "poetry", "prompt": "hi"}', "unknown category 'poetry'"),
+        ('{"category": "qa", "prompt": "hi"', "malformed JSON"),
+        ('{"category": "qa"}', "exactly one of 'prompt' or 'messages'"),
+    ],
+)
+def test_bad_prompt_file_fails_in_one_line(tmp_path, line, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(line + "\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark", "evaluate", "--prompts", str(bad), "--profile", "smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "bad.jsonl:1" in lines[0], proc.stderr
+
+
+def test_long_context_prompts_fit_with_their_chat_template(tiny_target):
+    """The long_context budget leaves room for the template, max_new_tokens and one block."""
+    from dspark.data.prepare import long_context_tokens
+    from dspark.decode.engine import SpecDecoder
+    from dspark.decode.proposers import NgramProposer
+
+    p = load_params(ROOT / "params.yaml", profile="default")
+    n = long_context_tokens(p, tiny_target)
+    text = "apple" + " apple" * (n - 1)
+    assert len(tiny_target.tokenizer(text, add_special_tokens=False)["input_ids"]) == n
+    ids = tiny_target.chat_ids([{"role": "user", "content": text}])
+    block = p.train.dspark.block_size
+    dec = SpecDecoder(None, NgramProposer(block), 0, tiny_target.max_context)
+    assert len(ids) > n  # the template adds tokens the text's count does not see
+    dec.check_fits(len(ids), p.evaluate.max_new_tokens["long_context"], block)
