@@ -1,0 +1,1 @@
+"""Serving: the batched engine, confidence-scheduled verification (issue 6)."""
