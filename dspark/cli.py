@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     for stage in STAGES:
         p = sub.add_parser(stage.name, help=stage.help)
         _common(p)
-        if stage.name in ("prepare", "evaluate"):
+        if stage.name in ("prepare", "evaluate", "benchmark"):
             p.add_argument(
                 "--prompts",
                 type=Path,
@@ -57,6 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="create the Prefect work pool and deployment dspark/full, then run a worker"
     )
     s.add_argument("--pool", default="dspark", help="work pool name")
+
+    e = sub.add_parser(
+        "endpoint", help="serve the target (and a draft) on an OpenAI-compatible HTTP endpoint"
+    )
+    _common(e)
+    e.add_argument(
+        "--mode", required=True, help="none, ngram, eagle3, dspark_fixed, dspark_adaptive"
+    )
+    e.add_argument("--host", help="bind address (default: serve.host, loopback)")
+    e.add_argument("--port", type=int, help="port (default: serve.port)")
+    e.add_argument("--resolved", type=Path, help=argparse.SUPPRESS)  # the benchmark's params
 
     d = sub.add_parser("dvc-yaml", help="write dvc.yaml from the stage registry")
     d.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml is out of date")
@@ -87,6 +98,30 @@ def _run_stages(args: argparse.Namespace, names: list[str]) -> None:
         stages.write_run_summary(root, params.profile)
 
 
+def _endpoint(args: argparse.Namespace) -> int:
+    from dspark import stages
+    from dspark.config import Params
+    from dspark.errors import ConfigError
+    from dspark.serve.server import serve
+
+    if args.resolved:  # exactly the params the benchmark stage resolved, overrides and all
+        import json
+
+        try:
+            params = Params.model_validate(json.loads(args.resolved.read_text()))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{args.resolved}: {str(e).splitlines()[0]}") from None
+    else:
+        params = _load(args)
+    root = Path.cwd()
+    host = args.host or params.serve.host
+    port = params.serve.port if args.port is None else args.port
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--port: {port} is not a port (1..65535)")
+    serve(params, root / stages.TARGET_DIR, root / stages.DRAFTS, args.mode, host, port)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from dspark.errors import DsparkError
@@ -108,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             # Prefect lives at the edge: the library only starts its process.
             env = {**os.environ, "DSPARK_POOL": args.pool}
             return subprocess.call([sys.executable, "-m", "flows.serve"], env=env)
+        elif args.command == "endpoint":
+            return _endpoint(args)
         elif args.command == "dvc-yaml":
             from dspark.io import write_text
             from dspark.stages import dvc_yaml

@@ -350,18 +350,71 @@ class EvaluateConfig(Section):
     seed: int = 0
 
 
+class ServeConfig(Section):
+    """The serving engine behind `dspark endpoint` and the benchmark."""
+
+    host: str = Field("127.0.0.1", description="bind address (loopback unless you mean it)")
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    max_batch: PosInt = Field(16, description="rows: requests decoded side by side")
+    max_len: PosInt = Field(1024, description="positions per row: prompt + output + a draft")
+    temperature: Annotated[float, Field(ge=0.0)] = Field(0.0, description="0: greedy")
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    dspark_k: PosInt | None = Field(
+        None, description="dspark_fixed's drafts per step (default: the block size)"
+    )
+    ngram_k: PosInt | None = Field(None, description="ngram's tokens per step (default: block)")
+    ngram_window: tuple[PosInt, PosInt] = Field(
+        (1, 3), description="ngram mode's (min, max) match length; evaluate's sweep picks it"
+    )
+    smoothing: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(
+        0.8, description="dspark_adaptive: EMA weight of the past survival curve"
+    )
+    profile_repeats: PosInt = Field(3, description="timed runs per verify-cost point")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _window(self):
+        if self.ngram_window[0] > self.ngram_window[1]:
+            raise ValueError(f"ngram_window: {self.ngram_window} has min above max")
+        return self
+
+
+Mode = Literal["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive"]
+
+
 class BenchmarkConfig(Section):
-    modes: list[Literal["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive"]] = [
-        "none",
-        "ngram",
-        "eagle3",
-        "dspark_fixed",
-        "dspark_adaptive",
-    ]
-    concurrency: list[PosInt] = [1, 2, 4, 8, 16]
-    num_requests: PosInt = 32
-    max_tokens: PosInt = 128
-    workload: str = "math_reasoning"
+    modes: list[Mode] = Field(
+        ["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive"], min_length=1
+    )
+    concurrency: list[PosInt] = Field([1, 2, 4, 8, 16], min_length=1)
+    workload: Category | Literal["mix"] = Field(
+        "math_reasoning", description="prompt category of the sweep, or `mix` (all nine)"
+    )
+    mixed_concurrency: PosInt | None = Field(
+        4, description="one more cell at this concurrency on `mix` (null: none)"
+    )
+    requests_per_client: PosInt = Field(1, description="a cell sends this x concurrency ...")
+    min_requests: PosInt = Field(2, description="... and at least this many requests")
+    max_seconds: Annotated[float, Field(gt=0)] = Field(
+        600.0, description="a cell issues no new request after this long"
+    )
+    max_tokens: PosInt = Field(64, description="output cap per request (EOS stops sooner)")
+    prompt_tokens: tuple[PosInt, PosInt] = Field(
+        (32, 512), description="the band of prompt lengths (chat template included) used"
+    )
+    warmup_requests: NonNegInt = Field(2, description="per mode, before the cells; not counted")
+    hf_baseline: bool = Field(
+        True, description="also time transformers' static-cache generate at concurrency 1"
+    )
+    noise: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(
+        0.05, description="relative tolerance of the `adaptive loses nowhere` goal"
+    )
+
+    @model_validator(mode="after")
+    def _band(self):
+        if self.prompt_tokens[0] > self.prompt_tokens[1]:
+            raise ValueError(f"prompt_tokens: {self.prompt_tokens} has min above max")
+        return self
 
 
 class ExportConfig(Section):
@@ -385,6 +438,7 @@ class Params(Section):
     extract: ExtractConfig = ExtractConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    serve: ServeConfig = ServeConfig()
     benchmark: BenchmarkConfig = BenchmarkConfig()
     export: ExportConfig = ExportConfig()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import shutil
@@ -59,6 +61,15 @@ def read_json_manifest(path: Path, *, missing_hint: str, version_key: str, versi
 def write_text(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """Rows of one shape (the first row's keys are the header), atomically."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(path, out.getvalue())
 
 
 def write_json(path: Path, obj: object) -> None:

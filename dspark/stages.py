@@ -35,6 +35,8 @@ PREPARE_LENGTHS = "plots/prepare_lengths.csv"
 EVAL_PLOTS = "plots"
 EVAL_REPORT = "metrics/eval_report.md"
 EVAL_RECORDS = "artifacts/eval_records"
+BENCH_REPORT = "metrics/bench_report.md"
+BENCH_LOGS = "logs/bench"
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,20 @@ def _evaluate(ctx: StageContext) -> dict:
     return evaluate(ctx.params, paths, prompts_file=ctx.prompts_file)
 
 
+def _benchmark(ctx: StageContext) -> dict:
+    from dspark.serve.bench import BenchPaths, benchmark
+
+    paths = BenchPaths(
+        target=ctx.path(TARGET_DIR),
+        drafts=ctx.path(DRAFTS),
+        prompts=ctx.prompts_file or ctx.path(EVAL_PROMPTS),
+        plots=ctx.path(EVAL_PLOTS),
+        report=ctx.path(BENCH_REPORT),
+        logs=ctx.path(BENCH_LOGS),
+    )
+    return benchmark(ctx.params, paths, ctx.root)
+
+
 # Code and data packages whose versions a run's results depend on.
 PROVENANCE_PACKAGES = (
     "dspark",
@@ -282,6 +298,28 @@ STAGES: tuple[Stage, ...] = (
         ),
         artifacts=(EVAL_REPORT, "plots/eval.png", "plots/eval_tau.csv"),
         children=("dspark", "eagle3", "ngram", "none"),
+    ),
+    Stage(
+        name="benchmark",
+        help="serve each mode on loopback and sweep concurrency with a load client",
+        run=_benchmark,
+        params=("target", "provision", "serve", "benchmark", "train.dspark.block_size"),
+        deps=(
+            TARGET_DIR,
+            DRAFTS,
+            EVAL_PROMPTS,
+            "dspark/serve",
+            "dspark/decode",
+            "dspark/models",
+            "dspark/data/prompts.py",
+            "dspark/train/checkpoint.py",
+        ),
+        outs=(),
+        metrics_name="bench",
+        report=BENCH_REPORT,
+        plots=(Plot("plots/bench.csv", x="concurrency", y="tok_s"), Plot("plots/bench.png")),
+        artifacts=(BENCH_REPORT, "plots/bench.png", "plots/bench.csv"),
+        children=("none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive"),
     ),
 )
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.decode.proposers import Proposal, Proposer
+from dspark.decode.proposers import ALL, Proposal, Proposer
 from dspark.decode.sampling import Sampling, choose
 from dspark.models.dspark import DSparkDraft
 from dspark.models.eagle3 import Eagle3Draft
@@ -57,26 +57,25 @@ class DSparkProposer(Proposer):
         self.scratch = slots
 
     @torch.no_grad()
-    def extend(self, seq, start, count, feats):
+    def extend(self, seq, start, count, feats, rows=ALL):
         aux = torch.cat([feats[i] for i in self.taps], dim=-1)  # [B, T, L*H]
         positions, _, write = _slots(start, count, aux.shape[1], self.scratch)
         s = self.model.cfg.layer
         rope = rope_cos_sin(positions, s.head_dim, s.rope_theta)
         ctx = self.model.context(aux)
-        rows = torch.arange(aux.shape[0])[:, None]
+        idx = torch.arange(aux.shape[0])[:, None]
         for layer, (cache_k, cache_v) in zip(self.model.layers, self.cache, strict=True):
             k, v = layer.self_attn.context_kv(ctx, rope)  # [B, nkv, T, d]
-            cache_k[rows, :, write] = k.transpose(1, 2)
-            cache_v[rows, :, write] = v.transpose(1, 2)
+            cache_k[rows][idx, :, write] = k.transpose(1, 2)
+            cache_v[rows][idx, :, write] = v.transpose(1, 2)
 
     @torch.no_grad()
-    def propose(self, seq, n, active, sampling: Sampling, gen):
+    def propose(self, seq, n, active, sampling: Sampling, gen, rows=ALL):
         m = self.model
         b = seq.shape[0]
-        rows = torch.arange(b)
         span = int(n.max())
-        anchor = seq[rows, n]
-        ctx_kv = [(k[:, :, :span], v[:, :, :span]) for k, v in self.cache]
+        anchor = seq[torch.arange(b), n]
+        ctx_kv = [(k[rows, :, :span], v[rows, :, :span]) for k, v in self.cache]
         hidden = m.draft_hidden(ctx_kv, n, anchor)  # [B, K, H]
         base = m.lm_head(hidden)  # [B, K, d]
         prev, state = anchor, None
@@ -123,12 +122,13 @@ class Eagle3Proposer(Proposer):
         return rope_cos_sin(positions, s.head_dim, s.rope_theta)
 
     @torch.no_grad()
-    def extend(self, seq, start, count, feats):
+    def extend(self, seq, start, count, feats, rows=ALL):
         """Writes step 0's keys for indices start+1..start+count (and index 0 on a row's first
         call), then runs step 0 at the new anchor, index start+count."""
         m, layer = self.model, self.model.layer
         b = seq.shape[0]
-        rows = torch.arange(b)
+        idx = torch.arange(b)
+        cache_k, cache_v = self.cache_k[rows], self.cache_v[rows]
         fused = m.fc(m.input_norm(torch.cat([feats[i] for i in self.taps], dim=-1)))  # [B, T, H]
         feature = torch.cat((fused.new_zeros(b, 1, fused.shape[2]), fused), dim=1)  # f_{i-1}
         positions, valid, write = _slots(start, count + 1, feature.shape[1], self.scratch)
@@ -138,30 +138,29 @@ class Eagle3Proposer(Proposer):
         x = layer.attn_input(m.embed(tokens), feature)  # [B, T+1, 2H]
         cos, sin = self._rope(positions)
         k, v = layer.self_attn.project_kv(x, cos, sin)
-        self.cache_k[rows[:, None], :, write] = k.transpose(1, 2)
-        self.cache_v[rows[:, None], :, write] = v.transpose(1, 2)
+        cache_k[idx[:, None], :, write] = k.transpose(1, 2)
+        cache_v[idx[:, None], :, write] = v.transpose(1, 2)
         # Step 0 at each gaining row's anchor (index start+count, the entry `count` in).
         grew = count > 0
         at = count[:, None]
-        anchor_x = x[rows, count][:, None]  # [B, 1, 2H]
+        anchor_x = x[idx, count][:, None]  # [B, 1, 2H]
         anchor_pos = positions.gather(1, at)
         span = int(anchor_pos.max()) + 1
         mask = torch.arange(span)[None, None, :] <= anchor_pos[:, :, None]  # [B, 1, span]
         cos, sin = self._rope(anchor_pos)
-        out = layer.self_attn(
-            anchor_x, cos, sin, self.cache_k[:, :, :span], self.cache_v[:, :, :span], mask
-        )
-        hidden = layer.finish(feature[rows, count][:, None], out)[:, 0]
-        self.anchor_hidden = torch.where(grew[:, None], hidden, self.anchor_hidden)
+        out = layer.self_attn(anchor_x, cos, sin, cache_k[:, :, :span], cache_v[:, :, :span], mask)
+        hidden = layer.finish(feature[idx, count][:, None], out)[:, 0]
+        held = self.anchor_hidden[rows]
+        held.copy_(torch.where(grew[:, None], hidden, held))
 
     @torch.no_grad()
-    def propose(self, seq, n, active, sampling: Sampling, gen):
+    def propose(self, seq, n, active, sampling: Sampling, gen, rows=ALL):
         m, layer = self.model, self.model.layer
         b = seq.shape[0]
         span = int(n.max()) + 1
         context = (torch.arange(span)[None, :] <= n[:, None])[:, None]  # [B, 1, span]
-        keys, values = [self.cache_k[:, :, :span]], [self.cache_v[:, :, :span]]
-        hidden = self.anchor_hidden
+        keys, values = [self.cache_k[rows, :, :span]], [self.cache_v[rows, :, :span]]
+        hidden = self.anchor_hidden[rows]
         tokens, qs = [], []
         for j in range(self.k):
             logits = m.lm_head(m.norm(hidden))  # [B, d]

@@ -8,17 +8,22 @@ or the correction of the first rejected draft). So a step emits accepted + 1 tok
 drafts its own number of tokens, and stops on its own at EOS or max_new_tokens.
 
 The prefill's first token is counted apart (it is the time to first token, not a verify step).
+
+Two ways in: `generate`/`decode` run a whole batch from one prefill to its end (the evaluation);
+`Rows` + `admit` + `step` let a server admit a request into a free row between steps while the
+other rows go on decoding (continuous batching).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from dspark.decode.llama import KVCache, Llama
-from dspark.decode.proposers import Proposer
+from dspark.decode.proposers import Proposal, Proposer
 from dspark.decode.sampling import GREEDY, Sampling, choose, verify_greedy, verify_sampled, warp
 
 
@@ -55,6 +60,48 @@ class Prefill:
 
 
 @dataclass
+class Rows:
+    """A pool of rows decoding side by side: what a step reads and advances. Row b's anchor,
+    seq[b, n[b]], is its last token, not yet in the target's cache."""
+
+    seq: torch.Tensor  # [B, slots+1] tokens, a scratch column last
+    n: torch.Tensor  # [B] the anchor's position
+    active: torch.Tensor  # [B] bool
+    cache: KVCache
+
+    @property
+    def slots(self) -> int:
+        return self.seq.shape[1] - 1
+
+
+@dataclass
+class Step:
+    """What one step did to the rows it ran over (b of them)."""
+
+    proposed: torch.Tensor  # [b] drafts verified (0 for idle rows)
+    accepted: torch.Tensor  # [b]
+    tokens: torch.Tensor  # [b, w]: row i's first count[i] are its new tokens, in order
+    count: torch.Tensor  # [b] accepted + 1 for active rows, else 0
+    confidence: torch.Tensor | None  # [b, k] the draft's, when it has them
+    draft_s: float
+    verify_s: float
+
+
+# conf [a, k] of the a active rows -> [a] how many drafts each sends to verification
+Plan = Callable[[torch.Tensor], torch.Tensor]
+
+
+def keep(tokens: list[int], have: int, max_new_tokens: int, eos_id: int) -> tuple[list[int], bool]:
+    """A step's tokens for a row that has `have` -> (those kept up to EOS or the cap, whether
+    the row goes on)."""
+    kept = tokens[: max_new_tokens - have]
+    if eos_id in kept:
+        kept = kept[: kept.index(eos_id) + 1]
+    done = have + len(kept) >= max_new_tokens or (bool(kept) and kept[-1] == eos_id)
+    return kept, not done
+
+
+@dataclass
 class Timing:
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -79,6 +126,8 @@ class SpecDecoder:
                 f"prompt of {prompt_len} tokens + max_new_tokens {max_new_tokens} + a draft of "
                 f"{room} exceeds the target's {self.max_context} positions"
             )
+
+    # --- a batch from one prefill to its end ---------------------------------------------------
 
     @torch.no_grad()
     def prefill(
@@ -129,76 +178,143 @@ class SpecDecoder:
         sampling: Sampling = GREEDY,
         seed: int = 0,
         fresh: bool = False,
+        plan: Plan | None = None,
     ) -> tuple[list[RowTrace], Timing]:
         """Generation after a prefill; `fresh` works on copies, so the prefill serves again."""
         if fresh:
             pre = pre.copy()
         gen = torch.Generator().manual_seed(seed)
-        prop, seq, lens, cache = self.proposer, pre.seq, pre.lens, pre.cache
+        prop, seq, lens = self.proposer, pre.seq, pre.lens
         b = seq.shape[0]
-        slots = seq.shape[1] - 1
-        if int(lens.max()) + max_new_tokens + prop.k + 1 > slots:
+        rows = Rows(seq, lens.clone(), torch.ones(b, dtype=torch.bool), pre.cache)
+        if int(lens.max()) + max_new_tokens + prop.k + 1 > rows.slots:
             raise ValueError(f"the prefill left no room for {prop.name}'s {prop.k} drafts")
-        rows = torch.arange(b)
         traces = [RowTrace() for _ in range(b)]
         timing = Timing(prefill_s=pre.seconds)
         t0 = time.perf_counter()
-        prop.start(b, slots)
+        prop.start(b, rows.slots)
         first, _ = choose(pre.logits, sampling, gen)
-        seq[rows, lens] = first
-        n = lens.clone()  # the anchor's position
+        seq[torch.arange(b), lens] = first
         prop.extend(seq, torch.zeros_like(lens), lens, pre.feats)
         timing.draft_s += time.perf_counter() - t0
-        active = torch.ones(b, dtype=torch.bool)
         for i, tr in enumerate(traces):
             tr.ttft_s = timing.prefill_s
-            active[i] = self._emit(tr, [int(first[i])], max_new_tokens)
+            tr.tokens, go = keep([int(first[i])], 0, max_new_tokens, self.eos_id)
+            rows.active[i] = go
 
-        while active.any():
-            t0 = time.perf_counter()
-            draft = prop.propose(seq, n, active, sampling, gen)
-            k_row = torch.where(active, draft.k_row, 0)
-            t1 = time.perf_counter()
-            width = draft.tokens.shape[1] + 1
-            tokens = torch.cat((seq[rows, n][:, None], draft.tokens), dim=1)  # [B, 1+k]
-            positions = n[:, None] + torch.arange(width)
-            valid = (torch.arange(width) <= k_row[:, None]) & active[:, None]
-            logits, taps = self.target(tokens, positions, cache, valid, taps=prop.taps)
-            if sampling.greedy:
-                verdict = verify_greedy(draft.tokens, logits, k_row)
-            else:
-                verdict = verify_sampled(draft.tokens, draft.q, warp(logits, sampling), k_row, gen)
-            t2 = time.perf_counter()
-            timing.draft_s += t1 - t0
-            timing.verify_s += t2 - t1
-
-            a = verdict.accepted
-            count = torch.where(active, a + 1, 0)
-            offs = torch.arange(width)
-            new = torch.cat((draft.tokens, verdict.next_token[:, None]), 1)  # [B, k+1]
-            new[rows, a] = verdict.next_token
-            write = torch.where(offs[None, :] < count[:, None], n[:, None] + 1 + offs, slots)
-            seq[rows[:, None], write] = new
-            prop.extend(seq, n, count, taps)  # the drafter's cache: its cost is drafting's
-            timing.draft_s += time.perf_counter() - t2
-            for i in torch.nonzero(active).flatten().tolist():
+        while rows.active.any():
+            was_active = rows.active.clone()
+            st = self.step(rows, sampling, gen, plan=plan)
+            timing.draft_s += st.draft_s
+            timing.verify_s += st.verify_s
+            for i in torch.nonzero(was_active).flatten().tolist():
                 tr = traces[i]
-                ai = int(a[i])
-                tr.accepted.append(ai)
-                tr.proposed.append(int(k_row[i]))
-                if draft.confidence is not None:
-                    tr.confidence.append(draft.confidence[i, : int(k_row[i])].tolist())
-                active[i] = self._emit(tr, new[i, : ai + 1].tolist(), max_new_tokens)
-            n = n + count
+                tr.accepted.append(int(st.accepted[i]))
+                tr.proposed.append(int(st.proposed[i]))
+                if st.confidence is not None:
+                    tr.confidence.append(st.confidence[i, : int(st.proposed[i])].tolist())
+                new = st.tokens[i, : int(st.count[i])].tolist()
+                kept, go = keep(new, len(tr.tokens), max_new_tokens, self.eos_id)
+                tr.tokens.extend(kept)
+                tr.emitted.append(len(kept))
+                rows.active[i] = go
         return traces, timing
 
-    def _emit(self, tr: RowTrace, tokens: list[int], max_new_tokens: int) -> bool:
-        """Appends a step's tokens up to EOS or the cap -> whether the row goes on."""
-        room = max_new_tokens - len(tr.tokens)
-        kept = tokens[:room]
-        if self.eos_id in kept:
-            kept = kept[: kept.index(self.eos_id) + 1]
-        tr.tokens.extend(kept)
-        if tr.accepted:  # the prefill's token is not a verify step's
-            tr.emitted.append(len(kept))
-        return len(tr.tokens) < max_new_tokens and (not kept or kept[-1] != self.eos_id)
+    # --- rows that come and go (a server) ---------------------------------------------------------
+
+    def new_rows(self, batch: int, slots: int) -> Rows:
+        """An empty pool of `batch` rows of `slots` positions each."""
+        self.proposer.start(batch, slots)
+        return Rows(
+            torch.zeros(batch, slots + 1, dtype=torch.long),
+            torch.zeros(batch, dtype=torch.long),
+            torch.zeros(batch, dtype=torch.bool),
+            self.target.new_cache(batch, slots),
+        )
+
+    @torch.no_grad()
+    def admit(self, rows: Rows, r: int, prompt: list[int], sampling: Sampling, gen) -> int:
+        """Prefill `prompt` into the free row r and make it active -> its first token.
+        The row's old cache entries need no clearing: a query never reads past its position."""
+        if rows.active[r]:
+            raise ValueError(f"row {r} is busy")
+        if len(prompt) + self.proposer.k + 2 > rows.slots:
+            raise ValueError(f"a prompt of {len(prompt)} tokens does not fit a row")
+        one = slice(r, r + 1)
+        cache = KVCache(rows.cache.k[:, one], rows.cache.v[:, one])
+        length = len(prompt)
+        rows.seq[r, :length] = torch.tensor(prompt)
+        positions = torch.arange(length)[None]
+        logits, feats = self.target(
+            rows.seq[one, :length],
+            positions,
+            cache,
+            taps=self.proposer.taps,
+            logits_at=torch.tensor([[length - 1]]),
+        )
+        first, _ = choose(logits[:, 0], sampling, gen)
+        rows.seq[r, length] = first[0]
+        rows.n[r] = length
+        self.proposer.extend(
+            rows.seq[one], torch.zeros(1, dtype=torch.long), torch.tensor([length]), feats, one
+        )
+        rows.active[r] = True
+        return int(first[0])
+
+    @torch.no_grad()
+    def step(
+        self,
+        rows: Rows,
+        sampling: Sampling,
+        gen: torch.Generator | None,
+        span: slice = slice(None),
+        plan: Plan | None = None,
+        max_drafts: int | None = None,
+        draft: bool = True,
+    ) -> Step:
+        """One draft-and-verify step over rows[span] (idle rows among them sit it out).
+        `plan` may cut each active row's draft short (confidence-scheduled verification);
+        `max_drafts` caps every row's (a fixed k below the draft's block); `draft` False skips
+        drafting (a plain step; the proposer still sees the new positions)."""
+        prop = self.proposer
+        seq, n, active = rows.seq[span], rows.n[span], rows.active[span]
+        cache = KVCache(rows.cache.k[:, span], rows.cache.v[:, span])
+        b, scratch = seq.shape[0], rows.slots
+        idx = torch.arange(b)
+        t0 = time.perf_counter()
+        if draft:
+            draft = prop.propose(seq, n, active, sampling, gen, span)
+        else:
+            draft = Proposal(seq.new_zeros(b, 0), seq.new_zeros(b))
+        k_row = torch.where(active, draft.k_row, 0)
+        if max_drafts is not None:
+            k_row = k_row.clamp_max(max_drafts)
+        if plan is not None and draft.confidence is not None and bool(active.any()):
+            k_row[active] = torch.minimum(k_row[active], plan(draft.confidence[active]))
+        k = int(k_row.max())  # verify no wider than the longest draft kept
+        drafts = draft.tokens[:, :k]
+        t1 = time.perf_counter()
+        width = k + 1
+        tokens = torch.cat((seq[idx, n][:, None], drafts), dim=1)  # [b, 1+k]
+        positions = n[:, None] + torch.arange(width)
+        valid = (torch.arange(width) <= k_row[:, None]) & active[:, None]
+        logits, taps = self.target(tokens, positions, cache, valid, taps=prop.taps)
+        if sampling.greedy:
+            verdict = verify_greedy(drafts, logits, k_row)
+        else:
+            q = None if draft.q is None else draft.q[:, :k]
+            verdict = verify_sampled(drafts, q, warp(logits, sampling), k_row, gen)
+        t2 = time.perf_counter()
+
+        a = verdict.accepted
+        count = torch.where(active, a + 1, 0)
+        offs = torch.arange(width)
+        new = torch.cat((drafts, verdict.next_token[:, None]), 1)  # [b, k+1]
+        new[idx, a] = verdict.next_token
+        write = torch.where(offs[None, :] < count[:, None], n[:, None] + 1 + offs, scratch)
+        seq[idx[:, None], write] = new
+        prop.extend(seq, n, count, taps, span)  # the drafter's cache: its cost is drafting's
+        n += count
+        return Step(
+            k_row, a, new, count, draft.confidence, t1 - t0 + time.perf_counter() - t2, t2 - t1
+        )

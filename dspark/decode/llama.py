@@ -8,6 +8,10 @@ last, which no query ever reads, so padding never disturbs a row's cache. Tokens
 rejects need no undoing: the next call writes over those positions before anything reads them,
 and a query never looks past its own position.
 
+A ragged batch is packed: the projections and MLPs, which are most of the work, run only on the
+valid tokens ([1, N, H]); only attention sees the padded [B, T] layout. So a verify step costs
+what its real tokens cost, and a row that drafts nothing adds one token, not the batch's width.
+
 Hidden states of any layer can be returned (`taps`, the output of decoder layer i, and the last
 layer before the final norm), which is what the drafts read.
 
@@ -47,23 +51,46 @@ class KVCache:
         return self.slots - 1
 
 
+@dataclass(frozen=True)
+class Packing:
+    """Where the N valid tokens of a [B, T] batch sit in it (flattened)."""
+
+    index: torch.Tensor  # [N]
+    rows: int
+    width: int
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, F] -> [1, N, F]"""
+        return x.flatten(0, 1)[self.index][None]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, F] -> [B, T, F], zeros at the padding."""
+        out = x.new_zeros(self.rows * self.width, x.shape[-1])
+        return out.index_copy_(0, self.index, x[0]).view(self.rows, self.width, -1)
+
+
 class CachedAttention(Attention):
     """The drafts' attention projections, reading and writing the static cache."""
 
-    def forward(self, x, rope, cache_k, cache_v, write_pos, mask, span):
-        """x [B, T, H]; cache_k/v [B, nkv, M, d] (this layer's, updated in place);
-        write_pos [B, T]; mask [B, T, span]: which of the first `span` slots each query sees."""
+    def forward(self, x, rope, cache_k, cache_v, write_pos, mask, span, packing=None):
+        """x [B, T, H] ([1, N, H] packed); cache_k/v [B, nkv, M, d] (this layer's, updated in
+        place); write_pos [B, T]; mask [B, T, span]: which of the first `span` slots each
+        query sees."""
         s = self.s
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, s.num_heads, s.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if packing is not None:
+            q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
+        b, t, _ = q.shape
+        q = q.reshape(b, t, s.num_heads, s.head_dim).transpose(1, 2)
+        k = k.reshape(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = v.reshape(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         rows = torch.arange(b, device=x.device)[:, None]
         cache_k[rows, :, write_pos] = k.transpose(1, 2)  # [B, T, nkv, d] into slots
         cache_v[rows, :, write_pos] = v.transpose(1, 2)
         keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
-        return self.o_proj(gqa_attention(q, keys, values, mask))
+        out = gqa_attention(q, keys, values, mask)  # [B, T, nh*d]
+        return self.o_proj(out if packing is None else packing.pack(out))
 
 
 class Llama(nn.Module):
@@ -121,13 +148,22 @@ class Llama(nn.Module):
         mask = (slot[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
         mask[..., 0] |= ~valid
         rope = rope_cos_sin(positions, self.s.head_dim, self.s.rope_theta)
+        b, t = tokens.shape
+        packing = None
         x = self.embed_tokens(tokens)
+        if not bool(valid.all()):
+            index = torch.nonzero(valid.flatten()).flatten()
+            packing = Packing(index, b, t)
+            x = packing.pack(x)
         kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache.k[i], cache.v[i], write_pos, mask, span)
+            x = layer(x, rope, cache.k[i], cache.v[i], write_pos, mask, span, packing)
             if i in taps:
-                kept[i] = x
+                kept[i] = x if packing is None else packing.unpack(x)
         if logits_at is not None:
+            if packing is not None:
+                x = packing.unpack(x)
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
-        h = self.norm(x)
-        return (self.lm_head(h) if logits else h), kept
+            packing = None
+        out = self.lm_head(self.norm(x)) if logits else self.norm(x)
+        return (out if packing is None else packing.unpack(out)), kept

@@ -3,7 +3,8 @@
 The engine keeps every row's tokens in `seq` [B, M]. Row b's last token, `seq[b, n_b]`, is not yet
 in the target's cache: it is the anchor the next draft continues from. After each target pass the
 engine calls `extend` with the target's features for the positions that pass made final, so a
-model-based proposer keeps its own cache of them.
+model-based proposer keeps its own cache of them. Both calls may cover a contiguous run of the
+rows `start` allocated (`rows`): a server admits one row, or steps only the rows in use.
 
     none   drafts nothing: plain decoding, one token per target step
     ngram  prompt lookup: the tokens that followed the latest earlier occurrence of the longest
@@ -22,6 +23,8 @@ import numpy as np
 import torch
 
 from dspark.decode.sampling import Sampling
+
+ALL = slice(None)
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Proposer:
         start: torch.Tensor,  # [B] first position the features are for
         count: torch.Tensor,  # [B] how many positions each row gained (0 for idle rows)
         feats: dict[int, torch.Tensor],  # {layer: [B, T, H]}, row b's first count[b] are real
+        rows: slice = ALL,  # which of the rows `start` allocated these B are
     ) -> None:
         """The target's features for positions start..start+count-1 are now final."""
 
@@ -56,6 +60,7 @@ class Proposer:
         active: torch.Tensor,  # [B] bool
         sampling: Sampling,
         gen: torch.Generator | None,
+        rows: slice = ALL,
     ) -> Proposal:
         b = seq.shape[0]
         return Proposal(seq.new_zeros(b, 0), seq.new_zeros(b))
@@ -87,7 +92,7 @@ class NgramProposer(Proposer):
                 return tokens[start : start + self.k]
         return tokens[:0]
 
-    def propose(self, seq, n, active, sampling, gen):
+    def propose(self, seq, n, active, sampling, gen, rows=ALL):
         b = seq.shape[0]
         tokens = seq.new_zeros(b, self.k)
         k_row = seq.new_zeros(b)

@@ -4,12 +4,10 @@ the seed's published figures beside ours."""
 
 from __future__ import annotations
 
-import csv
-import io
 from pathlib import Path
 
 from dspark.config import CATEGORIES
-from dspark.io import atomic_path, write_text
+from dspark.io import atomic_path, write_csv, write_text
 
 # The seed's published figures (Kimi K3 on GB300, its own DSpark draft).
 SEED = {"mean": 4.11, "math_reasoning": 6.42, "HumanEval": 4.96, "long_context": 5.31}
@@ -19,14 +17,6 @@ SETUP_NOTE = (
     "the drafts are trained on the profile's samples only, and long_context is as long as "
     "SmolLM2's 8192 positions allow. The figures answer to the seed's method, not its scale."
 )
-
-
-def _csv(rows: list[dict]) -> str:
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    return out.getvalue()
 
 
 def write_plots(result: dict, folder: Path) -> None:
@@ -43,20 +33,18 @@ def write_plots(result: dict, folder: Path) -> None:
         for c in cats
         for m in methods
     ]
-    write_text(folder / "eval_tau.csv", _csv(tau_rows))
+    write_csv(folder / "eval_tau.csv", tau_rows)
     pos_rows = [
         {"method": m, "slot": j, "accept": a}
         for m in methods
         for j, a in enumerate(result["overall"][m]["pos_accept"])
         if a is not None
     ]
-    write_text(
-        folder / "eval_pos_accept.csv", _csv(pos_rows or [{"method": "", "slot": 0, "accept": 0}])
-    )
+    write_csv(folder / "eval_pos_accept.csv", pos_rows or [{"method": "", "slot": 0, "accept": 0}])
     curve = result["calibration"].get("curve", [])
-    write_text(
+    write_csv(
         folder / "eval_calibration.csv",
-        _csv(curve or [{"bin": 0, "n": 0, "predicted": 0, "observed": 0}]),
+        curve or [{"bin": 0, "n": 0, "predicted": 0, "observed": 0}],
     )
 
     fig, axes = plt.subplots(1, 3, figsize=(18, 5))

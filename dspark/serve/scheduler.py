@@ -48,14 +48,15 @@ class VerifyCost:
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
 
-def best_budget(surv: torch.Tensor, cost: VerifyCost) -> int:
+def best_budget(surv: torch.Tensor, cost: VerifyCost, overhead_ms: float = 0.0) -> int:
     """The number of draft slots T (over the whole batch) that maximizes expected emitted tokens
-    per millisecond, given survivals [B, k]."""
+    per millisecond, given survivals [B, k]; a step also pays `overhead_ms` (drafting) whatever
+    T is."""
     b = surv.shape[0]
     if b == 0:
         return 0
     gains = torch.cat((surv.new_zeros(1), surv.flatten().sort(descending=True).values.cumsum(0)))
-    rate = [(b + float(gains[t])) / cost(b + t) for t in range(gains.shape[0])]
+    rate = [(b + float(gains[t])) / (overhead_ms + cost(b + t)) for t in range(len(gains))]
     return max(range(len(rate)), key=rate.__getitem__)
 
 
@@ -82,7 +83,24 @@ def allocate(surv: torch.Tensor, budget: int) -> torch.Tensor:
 class AdaptiveScheduler:
     cost: VerifyCost
     smoothing: float = 0.8  # weight of the past in the EMA of the mean survival curve
+    overhead_ms: float = 0.0  # a step's cost besides verification (the engine measures it)
+    probe_every: int = 8  # with a budget of 0, draft only every this many steps
     curve: torch.Tensor | None = field(default=None, init=False)  # [k]
+    pays: bool = field(default=True, init=False)  # did drafting beat a plain step, last time?
+    _skipped: int = field(default=0, init=False)
+
+    def wants_draft(self) -> bool:
+        """Whether to draft this step. When a drafting step (its drafting cost included) is
+        expected to emit fewer tokens per millisecond than a plain step, drafting is wasted
+        except to refresh the survival curve, so it happens only every `probe_every` steps:
+        then the adaptive mode costs little more than the target alone where drafts do not pay."""
+        if self.pays:
+            return True
+        self._skipped += 1
+        if self._skipped >= self.probe_every:
+            self._skipped = 0
+            return True
+        return False
 
     def plan(self, conf: torch.Tensor) -> torch.Tensor:
         """conf [B, k] this step's confidences -> [B] drafted tokens to verify per request."""
@@ -95,5 +113,10 @@ class AdaptiveScheduler:
             if self.curve is None
             else self.smoothing * self.curve + (1 - self.smoothing) * mean
         )
-        budget = best_budget(curve.expand_as(surv), self.cost)
+        smooth = curve.expand_as(surv)
+        budget = best_budget(smooth, self.cost, self.overhead_ms)
+        b = surv.shape[0]
+        gain = float(smooth.flatten().sort(descending=True).values[:budget].sum())
+        drafting = (b + gain) / (self.overhead_ms + self.cost(b + budget))
+        self.pays = drafting > b / self.cost(b)
         return allocate(surv, budget)

@@ -97,9 +97,18 @@ def test_deployment_runs_the_chain_and_everything_agrees(repo, served):
     assert {r.data.tags["draft"] for r in methods} == {"dspark", "eagle3", "ngram", "none"}
     for r in methods:
         assert "final.tau" in r.data.metrics and "tau_math_reasoning" in r.data.metrics
-    # ... and its report, shown in Prefect's UI as a markdown artifact.
+    # The benchmark: one child run per serving mode, its figures per concurrency.
+    bench = next(c for c in children if c.data.tags["stage"] == "benchmark")
+    modes = [r for r in all_runs if r.data.tags.get("mlflow.parentRunId") == bench.info.run_id]
+    assert {r.data.tags["draft"] for r in modes} == {
+        "none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive",
+    }  # fmt: skip
+    for r in modes:
+        assert {"final.tok_s_c1", "final.tok_s_c4", "final.ttft_p50_ms_c1"} <= r.data.metrics.keys()
+    # ... and the evaluate and benchmark reports, in Prefect's UI as markdown artifacts.
     artifacts = run([str(BIN / "prefect"), "artifact", "ls", "-o", "json"], repo, served)
-    assert "evaluate-report" in artifacts.stdout, artifacts.stdout + artifacts.stderr
+    for key in ("evaluate-report", "benchmark-report"):
+        assert key in artifacts.stdout, artifacts.stdout + artifacts.stderr
     client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
     versions = client.search_model_versions("name='dspark-draft'")
     assert len(versions) == 1 and versions[0].tags["profile"] == "smoke"

@@ -2,9 +2,6 @@
 drafts (random, perfect, DSpark, EAGLE-3, n-gram), in ragged batches; the drafts decode exactly
 as they were trained; rejection sampling keeps the target's distribution; tau is counted right."""
 
-import copy
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -18,51 +15,9 @@ from dspark.decode.sampling import Sampling, verify_sampled, warp
 from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.models.layers import LayerShape
+from tests.unit.conftest import NEW
 
-NEW = 24
 DRAFT_VOCAB = 256
-
-
-@pytest.fixture(scope="module")
-def varied(tiny_target):
-    """The tiny target with larger random weights: its greedy output varies token to token
-    (the session's tiny target mostly repeats one token, which any draft would guess)."""
-    model = copy.deepcopy(tiny_target.model)
-    torch.manual_seed(0)
-    for name, p in model.named_parameters():
-        if "norm" not in name:
-            nn.init.normal_(p, std=0.2)
-    return dataclasses.replace(tiny_target, model=model)
-
-
-@pytest.fixture(scope="module")
-def llama(varied):
-    return Llama.from_hf(varied.model)
-
-
-@pytest.fixture(scope="module")
-def prompts(varied):
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(10, varied.vocab_size, (n,), generator=gen).tolist() for n in (9, 17, 4)]
-
-
-@pytest.fixture(scope="module")
-def reference(varied, prompts):
-    """transformers' greedy generate, one prompt at a time, stopped at EOS or NEW tokens."""
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            gen = varied.model.generate(
-                input_ids=ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW,
-                do_sample=False,
-                eos_token_id=varied.eos_token_id,
-                pad_token_id=varied.eos_token_id,
-            )
-        out.append(gen[0, len(p) :].tolist())
-    return out
 
 
 def decoder(llama, varied, proposer):
@@ -77,7 +32,7 @@ class Oracle(Proposer):
     def __init__(self, prompts, reference):
         self.full = [p + r + [0] * 8 for p, r in zip(prompts, reference, strict=True)]
 
-    def propose(self, seq, n, active, sampling, gen):
+    def propose(self, seq, n, active, sampling, gen, rows=slice(None)):
         tokens = torch.tensor(
             [self.full[i][int(n[i]) + 1 : int(n[i]) + 1 + self.k] for i in range(len(self.full))]
         )
@@ -93,7 +48,7 @@ class Random(Proposer):
         self.oracle, self.vocab = oracle, vocab
         self.gen = torch.Generator().manual_seed(3)
 
-    def propose(self, seq, n, active, sampling, gen):
+    def propose(self, seq, n, active, sampling, gen, rows=slice(None)):
         b = seq.shape[0]
         right = self.oracle.propose(seq, n, active, sampling, gen).tokens[:, : self.k]
         noise = torch.randint(0, self.vocab, right.shape, generator=self.gen)

@@ -1,0 +1,224 @@
+"""An OpenAI-compatible completions endpoint over the serving engine, so one load client drives
+our engine here and vLLM elsewhere.
+
+    POST /v1/completions   prompt (text, or token ids as vLLM takes them), max_tokens,
+                           temperature / top_p (must match the server's: sampling is per
+                           server), stream (server-sent events, ending `data: [DONE]`)
+    GET  /v1/models        the one model served
+    GET  /health           ready once the engine is (the verify cost is profiled at start)
+    GET  /v1/dspark/stats  the engine's totals: steps, drafting and verification time
+
+Beyond OpenAI's fields, each choice carries `token_ids` (the tokens in this chunk, as vLLM's
+`return_token_ids` gives them) and the final response a `dspark` object (verify steps, drafts
+proposed and accepted), from which the load client measures acceptance. Malformed requests get a
+400 in OpenAI's error shape naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from dspark.serve.engine import ServeEngine
+
+
+class CompletionRequest(BaseModel):
+    # Clients send fields we have no use for (user, presence_penalty, ...): ignore those, but
+    # refuse the ones that would change the answer and that we do not implement.
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[int] = Field(min_length=1)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool = False
+    n: int = 1
+    echo: bool = False
+    logprobs: int | None = None
+    stop: str | list[str] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for a field set to something this server does not do."""
+        if self.n != 1:
+            return "n", "one completion per request"
+        if self.echo:
+            return "echo", "the prompt is not echoed"
+        if self.logprobs is not None:
+            return "logprobs", "log probabilities are not returned"
+        if self.stop:
+            return "stop", "no stop sequences (EOS and max_tokens end a completion)"
+        return None
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    body = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+class _Stream:
+    """Hands the engine thread's callbacks to the request's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def __call__(self, tokens: list[int], finish: str | None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, finish))
+
+
+class Detokenizer:
+    """Text deltas from a growing token list; holds back a trailing partial UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], ""
+
+    def add(self, tokens: list[int], final: bool) -> str:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+
+def create_app(engine: ServeEngine, tokenizer, model_name: str, mode: str) -> FastAPI:
+    app = FastAPI(title="dspark", docs_url=None, redoc_url=None)
+    vocab = len(tokenizer)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request, exc: RequestValidationError):
+        e = exc.errors()[0]
+        if e["type"] == "json_invalid":
+            return _error(400, f"body: not valid JSON ({e.get('ctx', {}).get('error', '')})")
+        where = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
+        return _error(400, f"{where}: {e['msg']}", where)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_request, exc: HTTPException):
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.get("/health")
+    async def health():
+        if engine.failure is not None:
+            return _error(503, f"the engine stopped: {engine.failure}")
+        return {"status": "ok", "mode": mode, "model": model_name}
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "owned_by": "dspark"}],
+        }
+
+    @app.get("/v1/dspark/stats")
+    async def stats():
+        return {"mode": mode, "busy": engine.busy(), **engine.stats.to_json()}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        if body.model is not None and body.model != model_name:
+            return _error(404, f"model: this server serves {model_name!r}, not {body.model!r}")
+        if (bad := body.unsupported()) is not None:
+            return _error(400, f"{bad[0]}: not supported: {bad[1]}", bad[0])
+        want = engine.sampling
+        if body.temperature is not None and body.temperature != want.temperature:
+            return _error(
+                400,
+                f"temperature: this server samples at {want.temperature} (per-request "
+                "sampling is not supported; omit the field)",
+                "temperature",
+            )
+        if body.top_p is not None and body.top_p != want.top_p:
+            return _error(400, f"top_p: this server uses {want.top_p}; omit the field", "top_p")
+        if isinstance(body.prompt, str):
+            ids = tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = body.prompt
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                return _error(400, f"prompt: token id {bad} is outside [0, {vocab})", "prompt")
+        stream = _Stream(asyncio.get_running_loop())
+        try:
+            req = engine.submit(ids, body.max_tokens, stream)
+        except ValueError as e:
+            return _error(400, str(e), "prompt")
+        except RuntimeError as e:
+            return _error(503, str(e))
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def chunk(text: str, tokens: list[int], finish: str | None) -> dict:
+            choice = {
+                "index": 0,
+                "text": text,
+                "token_ids": tokens,
+                "logprobs": None,
+                "finish_reason": _openai_finish(finish),
+            }
+            doc = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model_name,
+                "choices": [choice],
+            }
+            if finish is not None:
+                doc["usage"] = {
+                    "prompt_tokens": len(ids),
+                    "completion_tokens": len(req.tokens),
+                    "total_tokens": len(ids) + len(req.tokens),
+                }
+                doc["dspark"] = {
+                    "mode": mode,
+                    "steps": req.steps,
+                    "proposed": req.proposed,
+                    "accepted": req.accepted,
+                    "finish": finish,
+                }
+            return doc
+
+        detok = Detokenizer(tokenizer)
+        if not body.stream:
+            try:
+                while True:
+                    _tokens, finish = await stream.queue.get()
+                    if finish is not None:
+                        break
+            finally:  # cancelled while waiting (server shutdown): free the row
+                if not req.done:
+                    engine.cancel(req)
+            if finish in ("error", "cancelled"):
+                return _error(500, f"generation ended: {finish}")
+            return chunk(detok.add(req.tokens, final=True), list(req.tokens), finish)
+
+        async def events():
+            try:
+                while True:
+                    tokens, finish = await stream.queue.get()
+                    if finish in ("error", "cancelled"):
+                        err = {"message": f"generation ended: {finish}", "type": "server_error"}
+                        yield f"data: {json.dumps({'error': err})}\n\n"
+                        break
+                    text = detok.add(tokens, final=finish is not None)
+                    yield f"data: {json.dumps(chunk(text, tokens, finish))}\n\n"
+                    if finish is not None:
+                        break
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away (or we are done): free the row
+                if not req.done:
+                    engine.cancel(req)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def _openai_finish(finish: str | None) -> str | None:
+    return {"stop": "stop", "length": "length"}.get(finish or "")

@@ -1,0 +1,380 @@
+"""The benchmark stage: every mode served in turn by `dspark endpoint` (a subprocess on
+loopback), driven cell by cell by the load client (another subprocess), then the figures side by
+side: throughput and TTFT against concurrency, the cost split of a step, the speedup predicted
+at concurrency 1 from tau and step costs, and where fixed-k speculation stops paying.
+
+A cell is (mode, concurrency, workload): `requests_per_client` x c requests (at least
+`min_requests`), closed loop, after the mode's warm-up requests. Between cells the server's step
+counters are read, so each cell knows its steps and how its time split between drafting and
+verification.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from dspark.config import Params
+from dspark.data.prompts import read_prompt_file
+from dspark.errors import DataError
+from dspark.io import write_json
+from dspark.serve import report
+from dspark.serve.client import summarize
+
+SPECULATIVE = ("ngram", "eagle3", "dspark_fixed", "dspark_adaptive")
+READY_TIMEOUT_S = 900.0  # loading plus the adaptive mode's verify-cost profile
+
+
+@dataclass(frozen=True)
+class BenchPaths:
+    target: Path
+    drafts: Path
+    prompts: Path
+    plots: Path
+    report: Path
+    logs: Path
+
+
+def build_requests(params: Params, target, prompts_file: Path) -> dict[str, list[dict]]:
+    """Workload name -> requests {id, category, prompt: token ids} with prompt lengths in the
+    band. `mix` interleaves the categories, so any prefix of it is mixed."""
+    cfg = params.benchmark
+    lo, hi = cfg.prompt_tokens
+    by_cat: dict[str, list[dict]] = {}
+    for p in read_prompt_file(prompts_file):
+        ids = target.chat_ids(list(p.messages))
+        if lo <= len(ids) <= hi:
+            by_cat.setdefault(p.category, []).append(
+                {"id": p.id, "category": p.category, "prompt": ids}
+            )
+    names = {cfg.workload} | ({"mix"} if cfg.mixed_concurrency else set())
+    out = {}
+    for name in sorted(names):
+        if name == "mix":
+            queues = [list(v) for _, v in sorted(by_cat.items())]
+            mixed = []
+            while any(queues):
+                mixed.extend(q.pop(0) for q in queues if q)
+            out[name] = mixed
+        else:
+            out[name] = by_cat.get(name, [])
+        if not out[name]:
+            raise DataError(
+                f"{prompts_file}: no {name} prompt of {lo}..{hi} tokens "
+                "(benchmark.prompt_tokens, benchmark.workload)"
+            )
+    return out
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EndpointProcess:
+    """`dspark endpoint` for one mode, in this process group (a group kill reaches it), with
+    its log in `log`. A context manager: the server is stopped, and its port freed, on exit."""
+
+    def __init__(self, mode: str, host: str, port: int, root: Path, log: Path, resolved: Path):
+        self.mode, self.url = mode, f"http://{host}:{port}"
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log.open("w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "-m", "dspark", "endpoint", "--mode", mode]
+        argv += ["--host", host, "--port", str(port), "--resolved", str(resolved)]
+        self.proc = subprocess.Popen(
+            argv, cwd=root, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = " | ".join(self.log.read_text().strip().splitlines()[-3:])
+                raise RuntimeError(f"endpoint {self.mode} exited ({self.proc.returncode}): {tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"endpoint {self.mode}: not ready after {timeout:.0f} s ({self.log})")
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/v1/dspark/stats", timeout=10.0).json()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> EndpointProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_client(url: str, requests: list[dict], concurrency: int, count: int, cfg, tmp: Path):
+    """One cell through the load client process -> its raw records."""
+    reqs, out = tmp / "requests.json", tmp / "cell.json"
+    write_json(reqs, [{"id": r["id"], "prompt": r["prompt"]} for r in requests])
+    argv = [sys.executable, "-m", "dspark.serve.client", "--url", url, "--requests", str(reqs)]
+    argv += ["--concurrency", str(concurrency), "--max-requests", str(count)]
+    argv += ["--max-seconds", str(cfg.max_seconds), "--max-tokens", str(cfg.max_tokens)]
+    argv += ["--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"load client failed ({done.returncode}): {done.stderr.strip()[-300:]}")
+    return json.loads(out.read_text())
+
+
+def cell_plan(params: Params) -> list[tuple[int, str]]:
+    cfg = params.benchmark
+    cells = [(c, cfg.workload) for c in cfg.concurrency]
+    if cfg.mixed_concurrency:
+        cells.append((cfg.mixed_concurrency, "mix"))
+    return cells
+
+
+def measure_mode(mode: str, params: Params, requests, paths: BenchPaths, root: Path, log):
+    """Start the endpoint for `mode`, warm it up, run every cell, stop it."""
+    host = params.serve.host
+    with tempfile.TemporaryDirectory() as tmp:
+        resolved = Path(tmp) / "params.json"
+        write_json(resolved, params.model_dump(mode="json"))
+        log_file = paths.logs / f"{mode}.log"
+        with EndpointProcess(mode, host, free_port(host), root, log_file, resolved) as ep:
+            ep.wait_ready()
+            return run_cells(ep, params, requests, Path(tmp), log)
+
+
+def run_cells(ep: EndpointProcess, params: Params, requests, tmp: Path, log) -> list[dict]:
+    cfg = params.benchmark
+    if cfg.warmup_requests:
+        run_client(ep.url, requests[cfg.workload], 1, cfg.warmup_requests, cfg, tmp)
+    cells = []
+    for concurrency, workload in cell_plan(params):
+        count = max(cfg.min_requests, cfg.requests_per_client * concurrency)
+        before = ep.stats()
+        raw = run_client(ep.url, requests[workload], concurrency, count, cfg, tmp)
+        after = ep.stats()
+        cell = {"mode": ep.mode, "concurrency": concurrency, "workload": workload}
+        cell.update(summarize(raw))
+        cell.update(step_costs(before, after))
+        if cell["errors"]:
+            first = next(r["error"] for r in raw["records"] if "error" in r)
+            raise RuntimeError(
+                f"{ep.mode} c={concurrency}: {cell['errors']} requests failed: {first}"
+            )
+        cells.append(cell)
+        log(
+            f"{ep.mode:16s} c={concurrency:<3d} {workload:15s} {cell['tok_s']} tok/s, "
+            f"TTFT p50 {cell['ttft_p50_ms']} ms, tau {cell['tau']}"
+        )
+    return cells
+
+
+def step_costs(before: dict, after: dict) -> dict:
+    steps = after["steps"] - before["steps"]
+    draft, verify = after["draft_s"] - before["draft_s"], after["verify_s"] - before["verify_s"]
+    if steps <= 0:
+        return {"steps": 0, "draft_ms": None, "verify_ms": None, "draft_share": None}
+    return {
+        "steps": steps,
+        "draft_ms": round(draft * 1000 / steps, 2),
+        "verify_ms": round(verify * 1000 / steps, 2),
+        "draft_share": round(draft / (draft + verify), 4) if draft + verify > 0 else None,
+    }
+
+
+def hf_baseline(params: Params, target, requests: list[dict]) -> dict:
+    """transformers' static-cache greedy generate, one request at a time: the other `none`."""
+    from dspark.evaluate.stage import Reference
+    from dspark.evaluate.summary import distinct_n
+
+    cfg = params.benchmark
+    ref = Reference(target)
+    ref.generate(requests[0]["prompt"], 2)  # warm-up: the static cache's first compile
+    count = max(cfg.min_requests, cfg.requests_per_client)
+    tokens, wall, ttft, distinct = 0, 0.0, [], []
+    for i in range(count):
+        ids = requests[i % len(requests)]["prompt"]
+        _, first_s = ref.generate(ids, 1)
+        out, seconds = ref.generate(ids, cfg.max_tokens)
+        tokens, wall = tokens + len(out), wall + seconds
+        ttft.append(first_s * 1000)
+        distinct.append(distinct_n(out))
+    return {
+        "mode": "none_hf",
+        "concurrency": 1,
+        "workload": cfg.workload,
+        "requests": count,
+        "tokens": tokens,
+        "tok_s": round(tokens / wall, 2),
+        "ttft_p50_ms": round(sorted(ttft)[len(ttft) // 2], 1),
+        "tau": 1.0,
+        "distinct_2": round(sum(distinct) / len(distinct), 4),
+    }
+
+
+def benchmark(params: Params, paths: BenchPaths, root: Path, log=print) -> dict:
+    from dspark.models.target import load_target
+
+    # A SIGTERM (a cancelled flow, a killed `dvc repro`) unwinds through the `with` blocks,
+    # which stop the endpoint and free its port.
+    def on_term(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        target = load_target(paths.target, params.target.dtype, params.target.max_context)
+        requests = build_requests(params, target, paths.prompts)
+        cells = []
+        if params.benchmark.hf_baseline:
+            cells.append(hf_baseline(params, target, requests[params.benchmark.workload]))
+            log(f"none_hf          c=1   {cells[-1]['tok_s']} tok/s")
+        del target
+        for mode in params.benchmark.modes:
+            cells.extend(measure_mode(mode, params, requests, paths, root, log))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    result = assemble(params, cells)
+    report.write_plots(result, paths.plots)
+    report.write_report(result, paths.report)
+    log(report.table(result))
+    return result
+
+
+def _cell(cells, mode, c, workload):
+    return next(
+        (
+            x
+            for x in cells
+            if x["mode"] == mode and x["concurrency"] == c and x["workload"] == workload
+        ),
+        None,
+    )
+
+
+def assemble(params: Params, cells: list[dict]) -> dict:
+    cfg = params.benchmark
+    w = cfg.workload
+    conc = sorted(set(cfg.concurrency))
+
+    def tok_s(mode, c, workload=w):
+        x = _cell(cells, mode, c, workload)
+        return x["tok_s"] if x else None
+
+    def baseline(c, workload=w):
+        """The fastest target-only path at this concurrency."""
+        vals = [tok_s(m, c, workload) for m in ("none", "none_hf")]
+        vals = [v for v in vals if v]
+        return max(vals) if vals else None
+
+    for x in cells:
+        base = baseline(x["concurrency"], x["workload"])
+        x["speedup"] = round(x["tok_s"] / base, 3) if base and x["tok_s"] else None
+
+    # Predicted single-stream speedup: tau x (none's step time / the mode's step time).
+    predicted = {}
+    none1 = _cell(cells, "none", 1, w)
+    for m in SPECULATIVE:
+        x = _cell(cells, m, 1, w)
+        if x and none1 and x.get("tau") and x.get("steps") and none1.get("steps"):
+            t_none = none1["draft_ms"] + none1["verify_ms"]
+            t_mode = x["draft_ms"] + x["verify_ms"]
+            predicted[m] = round(x["tau"] * t_none / t_mode, 3)
+    dspark_modes = [m for m in ("dspark_adaptive", "dspark_fixed") if _cell(cells, m, 1, w)]
+    best = max(dspark_modes, key=lambda m: tok_s(m, 1) or 0, default=None)
+
+    crossover = None
+    if "dspark_fixed" in cfg.modes and "none" in cfg.modes:
+        for c in conc:
+            f, base = tok_s("dspark_fixed", c), baseline(c)
+            if f is not None and base is not None and f < base:
+                crossover = c
+                break
+
+    overall = {}  # per mode, for its MLflow child run
+    for m in cfg.modes:
+        mine = {}
+        for x in (x for x in cells if x["mode"] == m and x["workload"] == w):
+            c = x["concurrency"]
+            mine.update({f"tok_s_c{c}": x["tok_s"], f"ttft_p50_ms_c{c}": x["ttft_p50_ms"]})
+            mine.update({f"speedup_c{c}": x["speedup"], f"tau_c{c}": x["tau"]})
+        overall[m] = {k: v for k, v in mine.items() if v is not None}
+    return {
+        "workload": w,
+        "max_tokens": cfg.max_tokens,
+        "overall": overall,
+        "cells": cells,
+        "predicted_speedup_c1": predicted.get(best) if best else None,
+        "predicted_speedup_c1_by_mode": predicted,
+        "crossover_concurrency": crossover,
+        "goals": goals(cfg, cells, conc, baseline, tok_s, best, predicted),
+    }
+
+
+def goals(cfg, cells, conc, baseline, tok_s, best, predicted) -> dict:
+    w = cfg.workload
+    out: dict = {}
+    if best:
+        speedup = _cell(cells, best, 1, w)["speedup"]
+        out["single_stream"] = {
+            "mode": best,
+            "speedup": speedup,
+            "goal": 3.0,
+            "met": bool(speedup and speedup >= 3.0),
+        }
+        if best in predicted and speedup:
+            ratio = round(speedup / predicted[best], 3)
+            out["measured_vs_predicted"] = {"ratio": ratio, "goal": 0.85, "met": ratio >= 0.85}
+    if "dspark_adaptive" in cfg.modes:
+        rows = []
+        for c in conc:
+            a = tok_s("dspark_adaptive", c)
+            rivals = [v for v in (tok_s("dspark_fixed", c), baseline(c)) if v]
+            if a is not None and rivals:
+                rows.append(
+                    {
+                        "concurrency": c,
+                        "adaptive": a,
+                        "best_other": max(rivals),
+                        "met": a >= (1 - cfg.noise) * max(rivals),
+                    }
+                )
+        out["adaptive_loses_nowhere"] = {"cells": rows, "met": all(r["met"] for r in rows)}
+    rows = []
+    for c in conc:
+        base = _cell(cells, "none", c, w)
+        for m in SPECULATIVE:
+            x = _cell(cells, m, c, w)
+            if x and base and base.get("ttft_p50_ms") and x.get("ttft_p50_ms"):
+                extra = x["ttft_p50_ms"] / base["ttft_p50_ms"] - 1
+                rows.append(
+                    {
+                        "mode": m,
+                        "concurrency": c,
+                        "ttft_overhead": round(extra, 3),
+                        "met": extra <= 0.20,
+                    }
+                )
+    out["ttft_overhead"] = {"cells": rows, "goal": 0.20, "met": all(r["met"] for r in rows)}
+    return out

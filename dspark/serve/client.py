@@ -1,0 +1,183 @@
+"""The load client: c closed-loop clients streaming completions from an OpenAI-compatible server
+(ours, or vLLM's), each sending its next request as soon as its last one ends, until the cell's
+request count or time is spent. It runs as its own process so its work never shares the
+server's interpreter:
+
+    python -m dspark.serve.client --url http://127.0.0.1:8000 --requests reqs.json \\
+        --concurrency 4 --max-requests 8 --max-tokens 64 --out cell.json
+
+`reqs.json` is a list of {"id": ..., "prompt": [token ids]}; requests go out in that order,
+cycling. The output has one record per request (arrival times of every streamed chunk and the
+tokens in it) and the cell's wall time; `summarize` turns that into the benchmark's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from dspark.evaluate.summary import distinct_n
+from dspark.io import write_json
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, req: dict, max_tokens: int, model: str | None
+) -> dict:
+    body = {"prompt": req["prompt"], "max_tokens": max_tokens, "stream": True}
+    if model:
+        body["model"] = model
+    rec = {"id": req["id"], "prompt_tokens": len(req["prompt"]), "chunks": [], "tokens": []}
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                rec["error"] = f"HTTP {r.status_code}: {r.text[:200]}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    break
+                doc = json.loads(data)
+                if "error" in doc:
+                    rec["error"] = doc["error"].get("message", "error")
+                    break
+                choice = doc["choices"][0]
+                ids = choice.get("token_ids")  # vLLM without return_token_ids: a token a chunk
+                rec["chunks"].append([time.perf_counter() - t0, len(ids) if ids else 1])
+                rec["tokens"].extend(ids or [])
+                if choice.get("finish_reason"):
+                    rec["finish"] = choice["finish_reason"]
+                if "dspark" in doc:
+                    rec.update({k: doc["dspark"][k] for k in ("steps", "proposed", "accepted")})
+    except httpx.HTTPError as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+    rec["latency_s"] = time.perf_counter() - t0
+    return rec
+
+
+async def closed_loop(
+    url: str,
+    requests: list[dict],
+    concurrency: int,
+    max_requests: int,
+    max_seconds: float,
+    max_tokens: int,
+    model: str | None = None,
+) -> dict:
+    issued = 0
+    records: list[dict] = []
+    start = time.perf_counter()
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        nonlocal issued
+        while issued < max_requests and time.perf_counter() - start < max_seconds:
+            req = requests[issued % len(requests)]
+            issued += 1
+            records.append(await one_request(client, url, req, max_tokens, model))
+
+    limits = httpx.Limits(max_connections=concurrency + 1)
+    timeout = httpx.Timeout(None, connect=10.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    return {
+        "concurrency": concurrency,
+        "wall_s": time.perf_counter() - start,
+        "records": records,
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def summarize(cell: dict) -> dict:
+    """Per-cell figures: aggregate and per-request tok/s, TTFT and inter-token latency (p50,
+    p99, ms), tau, distinct-2. A chunk of n tokens after a gap g counts as n gaps of g/n."""
+    ok = [r for r in cell["records"] if "error" not in r and r["chunks"]]
+    tokens = sum(sum(n for _, n in r["chunks"]) for r in ok)
+    ttft = [r["chunks"][0][0] * 1000 for r in ok]
+    itl = []
+    for r in ok:
+        for (t_prev, _), (t, n) in zip(r["chunks"], r["chunks"][1:], strict=False):
+            itl.extend([(t - t_prev) * 1000 / n] * n)
+    per_request = [
+        sum(n for _, n in r["chunks"]) / r["latency_s"] for r in ok if r["latency_s"] > 0
+    ]
+    steps = sum(r.get("steps") or 0 for r in ok)
+    after_first = sum(sum(n for _, n in r["chunks"]) - 1 for r in ok if r.get("steps"))
+    distinct = [distinct_n(r["tokens"]) for r in ok if len(r["tokens"]) > 1]
+
+    def rnd(x, nd=2):
+        return None if x is None else round(x, nd)
+
+    return {
+        "requests": len(cell["records"]),
+        "errors": len(cell["records"]) - len(ok),
+        "tokens": tokens,
+        "wall_s": rnd(cell["wall_s"], 3),
+        "tok_s": rnd(tokens / cell["wall_s"] if cell["wall_s"] > 0 else None),
+        "request_tok_s": rnd(statistics.median(per_request) if per_request else None),
+        "ttft_p50_ms": rnd(_pct(ttft, 50), 1),
+        "ttft_p99_ms": rnd(_pct(ttft, 99), 1),
+        "itl_p50_ms": rnd(_pct(itl, 50), 1),
+        "itl_p99_ms": rnd(_pct(itl, 99), 1),
+        "tau": rnd(after_first / steps if steps else None, 3),
+        "distinct_2": rnd(statistics.mean(distinct) if distinct else None, 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--requests", required=True, type=Path)
+    ap.add_argument("--concurrency", type=int, required=True)
+    ap.add_argument("--max-requests", type=int, required=True)
+    ap.add_argument("--max-seconds", type=float, default=600.0)
+    ap.add_argument("--max-tokens", type=int, required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out", required=True, type=Path)
+    args = ap.parse_args(argv)
+    try:
+        requests = json.loads(args.requests.read_text())
+        if not requests or not all("prompt" in r and "id" in r for r in requests):
+            raise ValueError("need a non-empty list of {id, prompt}")
+    except (OSError, ValueError) as e:
+        print(f"error: {args.requests}: {e}", file=sys.stderr)
+        return 2
+    if args.concurrency < 1 or args.max_requests < 1 or args.max_tokens < 1:
+        print(
+            "error: --concurrency, --max-requests and --max-tokens must be positive",
+            file=sys.stderr,
+        )
+        return 2
+    cell = asyncio.run(
+        closed_loop(
+            args.url,
+            requests,
+            args.concurrency,
+            args.max_requests,
+            args.max_seconds,
+            args.max_tokens,
+            args.model,
+        )
+    )
+    write_json(args.out, cell)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

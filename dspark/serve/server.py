@@ -1,0 +1,126 @@
+"""`dspark endpoint --mode MODE`: the serving engine behind the OpenAI-compatible app, on
+uvicorn. Startup loads the target (and the draft the mode needs), profiles the verify cost for
+`dspark_adaptive`, then binds; /health answers once all of that is done."""
+
+from __future__ import annotations
+
+import errno
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.config import Params
+from dspark.decode.engine import SpecDecoder
+from dspark.decode.llama import Llama
+from dspark.decode.proposers import NgramProposer, NoProposer, Proposer
+from dspark.decode.sampling import Sampling
+from dspark.errors import ConfigError, DataError
+from dspark.serve.engine import MODES, ServeEngine, profile_verify_cost
+from dspark.serve.scheduler import AdaptiveScheduler
+
+
+@dataclass
+class Served:
+    engine: ServeEngine
+    tokenizer: object
+    model_name: str
+    mode: str
+    cost: dict | None  # the profiled verify cost (dspark_adaptive)
+
+
+def profile_counts(max_batch: int, k: int) -> tuple[int, ...]:
+    """Token counts to time: powers of two up to the widest step, and the widest itself."""
+    widest = max_batch * (k + 1)
+    counts = {1, widest}
+    n = 2
+    while n < widest:
+        counts.add(n)
+        n *= 2
+    return tuple(sorted(counts))
+
+
+def proposer_for(mode: str, params: Params, target, drafts: Path) -> Proposer:
+    from dspark.evaluate.stage import build_proposers
+
+    if mode == "none":
+        return NoProposer()
+    if mode == "ngram":
+        lo, hi = params.serve.ngram_window
+        k = params.serve.ngram_k or params.train.dspark.block_size
+        return NgramProposer(k, lo, hi, target.vocab_size)
+    name = "eagle3" if mode == "eagle3" else "dspark"
+    return build_proposers([name], target, drafts)[name]
+
+
+def build(params: Params, target_dir: Path, drafts: Path, mode: str) -> Served:
+    from dspark.models.target import load_target, set_threads
+
+    if mode not in MODES:
+        raise ConfigError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
+    cfg = params.serve
+    set_threads(params.provision.threads)
+    target = load_target(target_dir, params.target.dtype, params.target.max_context)
+    llama = Llama.from_hf(target.model)
+    proposer = proposer_for(mode, params, target, drafts)
+    decoder = SpecDecoder(llama, proposer, target.eos_token_id, target.max_context)
+    max_len = min(cfg.max_len, target.max_context)
+    scheduler, max_drafts, cost = None, None, None
+    if mode == "dspark_fixed":
+        max_drafts = cfg.dspark_k or proposer.k
+        if max_drafts > proposer.k:
+            raise ConfigError(
+                f"serve.dspark_k: {max_drafts} is above the draft's block {proposer.k}"
+            )
+    if mode == "dspark_adaptive":
+        if proposer.model.confidence_head is None:
+            raise DataError(
+                f"{drafts}/dspark: dspark_adaptive needs a draft with a confidence head"
+            )
+        table = profile_verify_cost(
+            decoder,
+            cfg.max_batch,
+            context=max_len // 2,
+            counts=profile_counts(cfg.max_batch, proposer.k),
+            repeats=cfg.profile_repeats,
+        )
+        scheduler = AdaptiveScheduler(table, smoothing=cfg.smoothing)
+        cost = {"tokens": list(table.tokens), "ms": [round(m, 3) for m in table.ms]}
+    engine = ServeEngine(
+        decoder,
+        cfg.max_batch,
+        max_len,
+        Sampling(cfg.temperature, cfg.top_p),
+        scheduler=scheduler,
+        max_drafts=max_drafts,
+        seed=cfg.seed,
+    )
+    return Served(engine, target.tokenizer, target.name, mode, cost)
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail before minutes of loading if the address is taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            why = "in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise ConfigError(f"serve.port: {host}:{port} is not available ({why})") from None
+
+
+def serve(params: Params, target_dir: Path, drafts: Path, mode: str, host: str, port: int) -> None:
+    import uvicorn
+
+    from dspark.serve.app import create_app
+
+    check_port(host, port)
+    served = build(params, target_dir, drafts, mode)
+    app = create_app(served.engine, served.tokenizer, served.model_name, mode)
+    served.engine.start()
+    try:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        server = uvicorn.Server(config)
+        print(f"dspark endpoint: {mode} on http://{host}:{port}", flush=True)
+        server.run()
+    finally:
+        served.engine.stop()

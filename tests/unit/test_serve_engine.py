@@ -1,0 +1,190 @@
+"""Continuous batching on the tiny target: requests admitted while others decode, in fewer rows
+than requests, give each request exactly the target's greedy output alone, in every mode;
+cancelling frees the row; the adaptive mode stops drafting where drafts cannot pay."""
+
+import threading
+
+import pytest
+import torch
+
+from dspark.decode.drafters import DSparkProposer, Eagle3Proposer
+from dspark.decode.engine import SpecDecoder
+from dspark.decode.proposers import NgramProposer, NoProposer, Proposal, Proposer
+from dspark.serve.engine import ServeEngine, profile_verify_cost
+from dspark.serve.scheduler import AdaptiveScheduler, VerifyCost
+from tests.unit.conftest import NEW
+from tests.unit.test_spec_decode import tiny_drafts
+
+FLAT = VerifyCost((1, 64), (10.0, 10.0))  # verifying more costs nothing: draft all you can
+STEEP = VerifyCost((1, 2), (10.0, 1000.0))  # every extra token costs 100x a step: never
+
+
+class Collector:
+    """A request's callback: the tokens as they arrive, and an event at the end."""
+
+    def __init__(self):
+        self.tokens, self.finish, self.done = [], None, threading.Event()
+
+    def __call__(self, tokens, finish):
+        self.tokens.extend(tokens)
+        if finish is not None:
+            self.finish = finish
+            self.done.set()
+
+
+def serve(engine, prompts, stagger=True, max_tokens=NEW):
+    """Submit the prompts, each after the one before has produced a token (so later ones are
+    admitted mid-decode), and wait for all."""
+    engine.start()
+    try:
+        out = []
+        for p in prompts:
+            c = Collector()
+            engine.submit(p, max_tokens, c)
+            out.append(c)
+            while stagger and not c.tokens and not c.done.is_set():
+                threading.Event().wait(0.005)
+        for c in out:
+            assert c.done.wait(60), "a request never finished"
+        return out
+    finally:
+        engine.stop()
+
+
+class RowOracle(Proposer):
+    """Drafts the row's reference continuation, some tokens replaced by noise, a ragged count
+    per row; it knows a row's request by the prompt at its start, wherever the row sits."""
+
+    name, k = "row-oracle", 4
+
+    def __init__(self, prompts, reference, vocab):
+        self.known = [(p, p + r + [0] * 8) for p, r in zip(prompts, reference, strict=True)]
+        self.vocab, self.gen = vocab, torch.Generator().manual_seed(3)
+
+    def propose(self, seq, n, active, sampling, gen, rows=slice(None)):
+        b = seq.shape[0]
+        tokens = torch.zeros(b, self.k, dtype=torch.long)
+        for i in torch.nonzero(active).flatten().tolist():
+            full = next(f for p, f in self.known if seq[i, : len(p)].tolist() == p)
+            at = int(n[i]) + 1
+            tokens[i] = torch.tensor(full[at : at + self.k])
+        noise = torch.randint(0, self.vocab, tokens.shape, generator=self.gen)
+        keep = torch.rand(tokens.shape, generator=self.gen) < 0.7
+        k_row = torch.randint(0, self.k + 1, (b,), generator=self.gen)
+        return Proposal(torch.where(keep, tokens, noise), k_row)
+
+
+def proposer(which, varied, prompts, reference):
+    dspark, eagle = tiny_drafts(varied)
+    return {
+        "none": lambda: NoProposer(),
+        "ngram": lambda: NgramProposer(4, 1, 3),
+        "random": lambda: RowOracle(prompts, reference, varied.vocab_size),
+        "eagle3": lambda: Eagle3Proposer(*eagle),
+        "dspark_fixed": lambda: DSparkProposer(*dspark),
+        "dspark_adaptive": lambda: DSparkProposer(*dspark),
+    }[which]()
+
+
+@pytest.mark.parametrize(
+    "which", ["none", "ngram", "random", "eagle3", "dspark_fixed", "dspark_adaptive"]
+)
+def test_requests_batched_as_they_come_decode_as_alone(which, llama, varied, prompts, reference):
+    prop = proposer(which, varied, prompts, reference)
+    dec = SpecDecoder(llama, prop, varied.eos_token_id, max_context=2048)
+    engine = ServeEngine(
+        dec,
+        max_batch=2,
+        max_len=96,
+        scheduler=AdaptiveScheduler(FLAT) if which == "dspark_adaptive" else None,
+        max_drafts=2 if which == "dspark_fixed" else None,
+    )
+    # Three requests in two rows: the third waits for a row, then joins a running batch.
+    out = serve(engine, prompts)
+    assert [c.tokens for c in out] == reference
+    assert all(c.finish in ("stop", "length") for c in out)
+    assert engine.busy() == 0 and not engine.rows.active.any()
+    assert engine.stats.requests == len(prompts)
+    if which in ("dspark_fixed", "dspark_adaptive", "eagle3"):
+        assert engine.stats.draft_s > 0
+    if which == "random":  # drafts were verified, some accepted, some not
+        assert engine.stats.tokens > engine.stats.row_steps + engine.stats.requests
+
+
+def test_adaptive_stops_drafting_where_it_cannot_pay(llama, varied, prompts, reference):
+    dspark, _ = tiny_drafts(varied)
+    dec = SpecDecoder(llama, DSparkProposer(*dspark), varied.eos_token_id, max_context=2048)
+    scheduler = AdaptiveScheduler(STEEP, probe_every=4)
+    engine = ServeEngine(dec, max_batch=4, max_len=96, scheduler=scheduler)
+    requests = []
+    real_plan = scheduler.plan
+
+    def plan(conf):
+        lengths = real_plan(conf)
+        requests.append(int(lengths.sum()))
+        return lengths
+
+    scheduler.plan = plan
+    out = serve(engine, prompts, stagger=False)
+    assert [c.tokens for c in out] == reference
+    assert set(requests) == {0}  # nothing is worth verifying at that cost
+    assert not scheduler.pays
+    # Drafting only every 4th step after the first: far fewer plans than steps.
+    assert len(requests) <= engine.stats.steps // 4 + 2
+
+
+def test_cancel_frees_the_row(llama, varied, prompts, reference):
+    dec = SpecDecoder(llama, NoProposer(), varied.eos_token_id, max_context=2048)
+    engine = ServeEngine(dec, max_batch=1, max_len=600)
+    engine.start()
+    try:
+        long = Collector()
+        req = engine.submit(prompts[0], 500, long)
+        while len(long.tokens) < 2:
+            threading.Event().wait(0.005)
+        engine.cancel(req)
+        assert long.done.wait(30) and long.finish == "cancelled"
+        after = Collector()
+        engine.submit(prompts[1], NEW, after)  # the only row is free again
+        assert after.done.wait(60)
+        assert after.tokens == reference[1]
+    finally:
+        engine.stop()
+    assert engine.busy() == 0
+
+
+def test_submit_rejects_what_cannot_fit(llama, varied, prompts):
+    dec = SpecDecoder(llama, NoProposer(), varied.eos_token_id, max_context=2048)
+    engine = ServeEngine(dec, max_batch=1, max_len=64)
+    with pytest.raises(ValueError, match="max_tokens 60 exceeds this server's 64 positions"):
+        engine.submit(prompts[0], 60, Collector())
+    with pytest.raises(ValueError, match="prompt: empty"):
+        engine.submit([], 4, Collector())
+
+
+def test_verify_cost_profile(llama, varied):
+    dec = SpecDecoder(llama, NoProposer(), varied.eos_token_id, max_context=2048)
+    cost = profile_verify_cost(dec, max_rows=4, context=32, counts=(1, 4, 16), repeats=1)
+    assert cost.tokens == (1, 4, 16) and all(ms > 0 for ms in cost.ms)
+    assert cost(8) > 0
+
+
+def test_step_trims_the_verify_width_to_the_longest_draft(llama, varied, prompts, reference):
+    """With max_drafts=1 every verify is 2 wide: the output is still the target's."""
+    dspark, _ = tiny_drafts(varied)
+    dec = SpecDecoder(llama, DSparkProposer(*dspark), varied.eos_token_id, max_context=2048)
+    rows = dec.new_rows(3, 96)
+    gen = torch.Generator().manual_seed(0)
+    from dspark.decode.sampling import GREEDY
+
+    got = [[dec.admit(rows, r, p, GREEDY, gen)] for r, p in enumerate(prompts)]
+    while rows.active.any():
+        was = rows.active.clone()
+        st = dec.step(rows, GREEDY, gen, max_drafts=1)
+        assert st.tokens.shape[1] <= 2 and int(st.proposed.max()) <= 1
+        for r in torch.nonzero(was).flatten().tolist():
+            got[r].extend(st.tokens[r, : int(st.count[r])].tolist())
+            if len(got[r]) >= NEW or varied.eos_token_id in got[r]:
+                rows.active[r] = False
+    for g, want in zip(got, reference, strict=True):
+        assert g[: len(want)] == want
