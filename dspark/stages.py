@@ -310,6 +310,7 @@ STAGES: tuple[Stage, ...] = (
             EVAL_PROMPTS,
             "dspark/serve",
             "dspark/decode",
+            "dspark/evaluate",  # the drafts' loading, transformers' generate, distinct-2
             "dspark/models",
             "dspark/data/prompts.py",
             "dspark/train/checkpoint.py",

@@ -40,21 +40,31 @@ def _full_vocab(probs: torch.Tensor | None, draft_ids: torch.Tensor, vocab: int)
     return probs.new_zeros(probs.shape[0], vocab).index_copy_(1, draft_ids, probs)
 
 
-class DSparkProposer(Proposer):
+class DraftProposer(Proposer):
+    """A trained draft (frozen) over its reduced vocabulary `draft_ids`, drafting k tokens from
+    the target's layers `taps`, with key/value caches of its own."""
+
+    def __init__(self, model, draft_ids: torch.Tensor, k: int):
+        self.model = model.eval().requires_grad_(False)
+        self.draft_ids, self.k, self.taps = draft_ids, k, model.cfg.aux_layers
+
+    def new_kv(self, batch: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values for `slots` positions per row, plus the scratch slot."""
+        s = self.model.cfg.layer
+        shape = (batch, s.num_kv_heads, slots + 1, s.head_dim)
+        w = self.model.fc.weight
+        self.scratch = slots
+        return w.new_zeros(shape), w.new_zeros(shape)
+
+
+class DSparkProposer(DraftProposer):
     name = "dspark"
 
     def __init__(self, model: DSparkDraft, draft_ids: torch.Tensor):
-        self.model = model.eval().requires_grad_(False)
-        self.draft_ids = draft_ids
-        self.k = model.cfg.block_size
-        self.taps = model.cfg.aux_layers
+        super().__init__(model, draft_ids, model.cfg.block_size)
 
     def start(self, batch, slots):
-        s = self.model.cfg.layer
-        shape = (batch, s.num_kv_heads, slots + 1, s.head_dim)  # + the scratch slot
-        w = self.model.fc.weight
-        self.cache = [(w.new_zeros(shape), w.new_zeros(shape)) for _ in self.model.layers]
-        self.scratch = slots
+        self.cache = [self.new_kv(batch, slots) for _ in self.model.layers]
 
     @torch.no_grad()
     def extend(self, seq, start, count, feats, rows=ALL):
@@ -100,22 +110,16 @@ class DSparkProposer(Proposer):
         )
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(DraftProposer):
     name = "eagle3"
 
     def __init__(self, model: Eagle3Draft, draft_ids: torch.Tensor):
-        self.model = model.eval().requires_grad_(False)
-        self.draft_ids = draft_ids
-        self.k = model.cfg.ttt_steps
-        self.taps = model.cfg.aux_layers
+        super().__init__(model, draft_ids, model.cfg.ttt_steps)
 
     def start(self, batch, slots):
-        s = self.model.cfg.layer
-        shape = (batch, s.num_kv_heads, slots + 1, s.head_dim)
-        w = self.model.fc.weight
-        self.cache_k, self.cache_v = w.new_zeros(shape), w.new_zeros(shape)
-        self.scratch = slots
-        self.anchor_hidden = w.new_zeros(batch, s.hidden_size)  # step 0's output at the anchor
+        self.cache_k, self.cache_v = self.new_kv(batch, slots)
+        hidden = self.model.cfg.layer.hidden_size
+        self.anchor_hidden = self.cache_k.new_zeros(batch, hidden)  # step 0's output at anchor
 
     def _rope(self, positions):
         s = self.model.cfg.layer

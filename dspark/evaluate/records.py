@@ -46,11 +46,14 @@ class Records:
                 self.done[rec["key"]] = rec
                 kept.append(line)
             write_text(self.path, "".join(f"{line}\n" for line in kept))
-        self.replayed = 0
+        self.replayed = 0  # records of an earlier run read back (each counted once)
+        self._earlier = set(self.done)
 
     def get(self, key: str) -> dict | None:
         rec = self.done.get(key)
-        self.replayed += rec is not None
+        if key in self._earlier:
+            self._earlier.discard(key)
+            self.replayed += 1
         return rec
 
     def put(self, key: str, **fields) -> dict:

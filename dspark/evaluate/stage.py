@@ -149,8 +149,7 @@ class Evaluation:
     def __init__(self, params: Params, target: Target, paths: EvalPaths):
         self.params, self.cfg, self.target = params, params.evaluate, target
         self.llama = Llama.from_hf(target.model)
-        methods = list(self.cfg.methods)
-        self.methods = methods
+        methods = self.cfg.methods
         self.proposers = build_proposers(methods, target, paths.drafts)
         self.ablation = {}  # the Markov variants the train stage trained (train.markov_ablation)
         if "dspark" in methods:
@@ -172,6 +171,7 @@ class Evaluation:
         self.records = Records(paths.records, fingerprint(basis, drafted))
         self.log = EventLog(paths.events)
         self.lossless = {"mismatches": 0, "ties": 0, "checked": 0, "mismatched_ids": []}
+        self._checked: set[str] = set()  # a decode read twice (sweep, then main) counts once
         self._prefilled: tuple[str, tuple] | None = None
 
     # --- one prompt ------------------------------------------------------------------------
@@ -216,7 +216,8 @@ class Evaluation:
             if sampling.greedy and want is not None:
                 verdict = self.ref.compare(ids, want, traces[0].tokens)
             rec = self.records.put(key, verdict=verdict, **trace_fields(traces[0], timing))
-        if rec["verdict"] is not None:
+        if rec["verdict"] is not None and key not in self._checked:
+            self._checked.add(key)
             self.lossless["checked"] += 1
             if rec["verdict"] == "tie":
                 self.lossless["ties"] += 1
@@ -228,19 +229,24 @@ class Evaluation:
     # --- everything ------------------------------------------------------------------------
 
     def all(self, selected: dict[str, list[Prompt]]) -> dict:
-        cfg, methods = self.cfg, self.methods
+        cfg, methods = self.cfg, self.cfg.methods
         sweep = {w: Tally() for w in self.windows}
         # The n-gram sweep: every window on the first prompt of each of the nine categories;
-        # the best window decodes everything. Sampling, too, runs on the nine only.
+        # the best window decodes everything (its sweep decodes are reused, being the same
+        # records). Sampling, too, runs on the nine only.
         for cat, cat_prompts in selected.items() if self.ngrams else ():
             if cat not in LONG_CATEGORIES:
+                max_new = cfg.max_new_tokens[cat]
+                ref = self.reference(cat_prompts[0], max_new)
                 for w, proposer in self.ngrams.items():
-                    label = f"ngram_{w[0]}_{w[1]}"
                     sweep[w].add(
-                        *self.decode(proposer, label, cat_prompts[0], cfg.max_new_tokens[cat])
+                        *self.decode(
+                            proposer, _ngram_label(w), cat_prompts[0], max_new, ref and ref[0]
+                        )
                     )
         best = max(self.windows, key=lambda w: sweep[w].tau or 0.0) if self.windows else None
         chosen = {**self.proposers, **({"ngram": self.ngrams[best]} if best else {})}
+        labels = {m: _ngram_label(best) if m == "ngram" else m for m in methods}
 
         tallies, sampled, ablation = {}, {}, {}
         calibration, hf = Calibration(), Tally()
@@ -259,7 +265,7 @@ class Evaluation:
                     hf.tokens += len(ref[0])
                     hf.prefill_s += ref[1]
                 for m in methods:
-                    trace, timing = self.decode(chosen[m], m, prompt, max_new, want)
+                    trace, timing = self.decode(chosen[m], labels[m], prompt, max_new, want)
                     tallies[cat][m].add(trace, timing)
                     if m == "dspark":
                         calibration.add(trace)
@@ -286,6 +292,10 @@ class Evaluation:
         if cfg.lm_eval.limit:
             result["quality"] = quality(self.params, self.target, self.llama, chosen, self.drafts)
         return result
+
+
+def _ngram_label(window: tuple[int, int]) -> str:
+    return f"ngram_{window[0]}_{window[1]}"
 
 
 def quality(params: Params, target, llama, proposers: dict, drafts: Path) -> dict:

@@ -4,9 +4,10 @@ side: throughput and TTFT against concurrency, the cost split of a step, the spe
 at concurrency 1 from tau and step costs, and where fixed-k speculation stops paying.
 
 A cell is (mode, concurrency, workload): `requests_per_client` x c requests (at least
-`min_requests`), closed loop, after the mode's warm-up requests. Between cells the server's step
-counters are read, so each cell knows its steps and how its time split between drafting and
-verification.
+`min_requests`), closed loop, after the mode's warm-up requests. All modes' endpoints run at once
+(idle ones cost nothing) and each cell is run for every mode in turn, so ratios compare
+measurements taken side by side. Around each cell the server's step counters are read, so each
+cell knows its steps and how its time split between drafting and verification.
 """
 
 from __future__ import annotations
@@ -153,42 +154,50 @@ def cell_plan(params: Params) -> list[tuple[int, str]]:
     return cells
 
 
-def measure_mode(mode: str, params: Params, requests, paths: BenchPaths, root: Path, log):
-    """Start the endpoint for `mode`, warm it up, run every cell, stop it."""
-    host = params.serve.host
-    with tempfile.TemporaryDirectory() as tmp:
-        resolved = Path(tmp) / "params.json"
+def measure(params: Params, requests, paths: BenchPaths, root: Path, log) -> list[dict]:
+    """Every mode's endpoint up at once, then each cell run mode after mode: the modes of a
+    cell are measured minutes apart at most, so the machine's drift shows in every one alike
+    (on this shared 2-core machine one mode's step time moves 15% between loads)."""
+    cfg, host = params.benchmark, params.serve.host
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        tmp = Path(tmp)
+        resolved = tmp / "params.json"
         write_json(resolved, params.model_dump(mode="json"))
-        log_file = paths.logs / f"{mode}.log"
-        with EndpointProcess(mode, host, free_port(host), root, log_file, resolved) as ep:
+        endpoints = []
+        for mode in cfg.modes:  # one at a time: the adaptive mode profiles the verify cost
+            log_file = paths.logs / f"{mode}.log"
+            ep = EndpointProcess(mode, host, free_port(host), root, log_file, resolved)
+            stack.enter_context(ep)
             ep.wait_ready()
-            return run_cells(ep, params, requests, Path(tmp), log)
+            endpoints.append(ep)
+        for ep in endpoints:
+            if cfg.warmup_requests:
+                run_client(ep.url, requests[cfg.workload], 1, cfg.warmup_requests, cfg, tmp)
+        cells = []
+        for concurrency, workload in cell_plan(params):
+            for ep in endpoints:
+                cells.append(run_cell(ep, concurrency, workload, params, requests, tmp))
+                x = cells[-1]
+                log(
+                    f"{ep.mode:16s} c={concurrency:<3d} {workload:15s} {x['tok_s']} tok/s, "
+                    f"TTFT p50 {x['ttft_p50_ms']} ms, tau {x['tau']}"
+                )
+        return cells
 
 
-def run_cells(ep: EndpointProcess, params: Params, requests, tmp: Path, log) -> list[dict]:
+def run_cell(ep: EndpointProcess, concurrency: int, workload: str, params, requests, tmp):
     cfg = params.benchmark
-    if cfg.warmup_requests:
-        run_client(ep.url, requests[cfg.workload], 1, cfg.warmup_requests, cfg, tmp)
-    cells = []
-    for concurrency, workload in cell_plan(params):
-        count = max(cfg.min_requests, cfg.requests_per_client * concurrency)
-        before = ep.stats()
-        raw = run_client(ep.url, requests[workload], concurrency, count, cfg, tmp)
-        after = ep.stats()
-        cell = {"mode": ep.mode, "concurrency": concurrency, "workload": workload}
-        cell.update(summarize(raw))
-        cell.update(step_costs(before, after))
-        if cell["errors"]:
-            first = next(r["error"] for r in raw["records"] if "error" in r)
-            raise RuntimeError(
-                f"{ep.mode} c={concurrency}: {cell['errors']} requests failed: {first}"
-            )
-        cells.append(cell)
-        log(
-            f"{ep.mode:16s} c={concurrency:<3d} {workload:15s} {cell['tok_s']} tok/s, "
-            f"TTFT p50 {cell['ttft_p50_ms']} ms, tau {cell['tau']}"
-        )
-    return cells
+    count = max(cfg.min_requests, cfg.requests_per_client * concurrency)
+    before = ep.stats()
+    raw = run_client(ep.url, requests[workload], concurrency, count, cfg, tmp)
+    after = ep.stats()
+    cell = {"mode": ep.mode, "concurrency": concurrency, "workload": workload}
+    cell.update(summarize(raw))
+    cell.update(step_costs(before, after))
+    if cell["errors"]:
+        first = next(r["error"] for r in raw["records"] if "error" in r)
+        raise RuntimeError(f"{ep.mode} c={concurrency}: {cell['errors']} requests failed: {first}")
+    return cell
 
 
 def step_costs(before: dict, after: dict) -> dict:
@@ -251,8 +260,7 @@ def benchmark(params: Params, paths: BenchPaths, root: Path, log=print) -> dict:
             cells.append(hf_baseline(params, target, requests[params.benchmark.workload]))
             log(f"none_hf          c=1   {cells[-1]['tok_s']} tok/s")
         del target
-        for mode in params.benchmark.modes:
-            cells.extend(measure_mode(mode, params, requests, paths, root, log))
+        cells.extend(measure(params, requests, paths, root, log))
     finally:
         signal.signal(signal.SIGTERM, previous)
     result = assemble(params, cells)

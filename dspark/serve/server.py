@@ -5,7 +5,9 @@ uvicorn. Startup loads the target (and the draft the mode needs), profiles the v
 from __future__ import annotations
 
 import errno
+import signal
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,11 +118,22 @@ def serve(params: Params, target_dir: Path, drafts: Path, mode: str, host: str, 
     check_port(host, port)
     served = build(params, target_dir, drafts, mode)
     app = create_app(served.engine, served.tokenizer, served.model_name, mode)
-    served.engine.start()
-    try:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-        server = uvicorn.Server(config)
-        print(f"dspark endpoint: {mode} on http://{host}:{port}", flush=True)
-        server.run()
-    finally:
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    # The engine keeps the main thread (torch is faster there); HTTP gets a thread of its own,
+    # and a signal stops both.
+    web = threading.Thread(target=server.run, name="dspark-http", daemon=True)
+
+    def on_signal(signum, _frame):
+        server.should_exit = True
         served.engine.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    web.start()
+    print(f"dspark endpoint: {mode} on http://{host}:{port}", flush=True)
+    try:
+        served.engine.run()
+    finally:
+        server.should_exit = True
+        web.join(timeout=30)
