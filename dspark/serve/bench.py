@@ -154,10 +154,13 @@ def cell_plan(params: Params) -> list[tuple[int, str]]:
     return cells
 
 
-def measure(params: Params, requests, paths: BenchPaths, root: Path, log) -> list[dict]:
+def measure(
+    params: Params, requests, paths: BenchPaths, root: Path, log, single=None
+) -> list[dict]:
     """Every mode's endpoint up at once, then each cell run mode after mode: the modes of a
     cell are measured minutes apart at most, so the machine's drift shows in every one alike
-    (on this shared 2-core machine one mode's step time moves 15% between loads)."""
+    (on this shared 2-core machine one mode's step time moves 15% between loads). `single`
+    measures one more cell beside the single-stream ones (transformers' generate)."""
     cfg, host = params.benchmark, params.serve.host
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
@@ -175,6 +178,9 @@ def measure(params: Params, requests, paths: BenchPaths, root: Path, log) -> lis
                 run_client(ep.url, requests[cfg.workload], 1, cfg.warmup_requests, cfg, tmp)
         cells = []
         for concurrency, workload in cell_plan(params):
+            if single and (concurrency, workload) == (1, cfg.workload):
+                cells.append(single())
+                log(f"{'none_hf':16s} c=1   {workload:15s} {cells[-1]['tok_s']} tok/s")
             for ep in endpoints:
                 cells.append(run_cell(ep, concurrency, workload, params, requests, tmp))
                 x = cells[-1]
@@ -255,12 +261,13 @@ def benchmark(params: Params, paths: BenchPaths, root: Path, log=print) -> dict:
     try:
         target = load_target(paths.target, params.target.dtype, params.target.max_context)
         requests = build_requests(params, target, paths.prompts)
-        cells = []
+        single = None
         if params.benchmark.hf_baseline:
-            cells.append(hf_baseline(params, target, requests[params.benchmark.workload]))
-            log(f"none_hf          c=1   {cells[-1]['tok_s']} tok/s")
-        del target
-        cells.extend(measure(params, requests, paths, root, log))
+
+            def single():
+                return hf_baseline(params, target, requests[params.benchmark.workload])
+
+        cells = measure(params, requests, paths, root, log, single)
     finally:
         signal.signal(signal.SIGTERM, previous)
     result = assemble(params, cells)
