@@ -84,20 +84,24 @@ class AdaptiveScheduler:
     cost: VerifyCost
     smoothing: float = 0.8  # weight of the past in the EMA of the mean survival curve
     overhead_ms: float = 0.0  # a step's cost besides verification (the engine measures it)
-    probe_every: int = 8  # with a budget of 0, draft only every this many steps
+    probe_every: int = 8  # where drafting does not pay, draft again after this many steps,
+    max_probe_every: int = 64  # doubling up to this while it keeps not paying
     curve: torch.Tensor | None = field(default=None, init=False)  # [k]
     pays: bool = field(default=True, init=False)  # did drafting beat a plain step, last time?
+    _interval: int = field(default=1, init=False)
     _skipped: int = field(default=0, init=False)
 
     def wants_draft(self) -> bool:
         """Whether to draft this step. When a drafting step (its drafting cost included) is
         expected to emit fewer tokens per millisecond than a plain step, drafting is wasted
-        except to refresh the survival curve, so it happens only every `probe_every` steps:
-        then the adaptive mode costs little more than the target alone where drafts do not pay."""
+        except to refresh the survival curve: it happens again after `probe_every` steps, then
+        after twice as many while it keeps not paying, up to `max_probe_every`. So where drafts
+        do not pay the adaptive mode costs little more than the target alone, and it finds
+        out within a few dozen steps when they start to."""
         if self.pays:
             return True
         self._skipped += 1
-        if self._skipped >= self.probe_every:
+        if self._skipped >= self._interval:
             self._skipped = 0
             return True
         return False
@@ -119,4 +123,8 @@ class AdaptiveScheduler:
         gain = float(smooth.flatten().sort(descending=True).values[:budget].sum())
         drafting = (b + gain) / (self.overhead_ms + self.cost(b + budget))
         self.pays = drafting > b / self.cost(b)
+        if self.pays:
+            self._interval = 1
+        else:
+            self._interval = min(max(2 * self._interval, self.probe_every), self.max_probe_every)
         return allocate(surv, budget)

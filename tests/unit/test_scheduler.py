@@ -75,3 +75,18 @@ def test_cost_table_checks_its_input():
         VerifyCost((4, 2), (1.0, 2.0))
     assert VerifyCost((1, 3), (10.0, 30.0))(2) == 20.0
     assert VerifyCost((1, 3), (10.0, 30.0))(5) == 50.0  # extended past the last point
+
+
+def test_drafting_backs_off_while_it_does_not_pay_and_resumes_when_it_does():
+    steep = VerifyCost((1, 2), (10.0, 1000.0))
+    sched = AdaptiveScheduler(steep, probe_every=4, max_probe_every=16)
+    drafted = []
+    for step in range(60):  # the engine: plan only on the steps that draft
+        if sched.wants_draft():
+            drafted.append(step)
+            sched.plan(torch.full((2, 3), 0.5))
+    gaps = [b - a for a, b in itertools.pairwise(drafted)]
+    assert gaps[:4] == [4, 8, 16, 16]
+    sched.cost = VerifyCost((1, 64), (10.0, 10.0))  # verification became free: drafts pay
+    sched.plan(torch.full((2, 3), 0.9))
+    assert sched.pays and all(sched.wants_draft() for _ in range(5))
