@@ -6,7 +6,8 @@ our engine here and vLLM elsewhere.
                            server), stream (server-sent events, ending `data: [DONE]`)
     GET  /v1/models        the one model served
     GET  /health           ready once the engine is (the verify cost is profiled at start)
-    GET  /v1/dspark/stats  the engine's totals: steps, drafting and verification time
+    GET  /v1/dspark/stats  the engine's totals: steps, drafting and verification time (and the
+                           verify cost the adaptive mode profiled)
 
 Beyond OpenAI's fields, each choice carries `token_ids` (the tokens in this chunk, as vLLM's
 `return_token_ids` gives them) and the final response a `dspark` object (verify steps, drafts
@@ -89,7 +90,10 @@ class Detokenizer:
         return delta
 
 
-def create_app(engine: ServeEngine, tokenizer, model_name: str, mode: str) -> FastAPI:
+def create_app(
+    engine: ServeEngine, tokenizer, model_name: str, mode: str, verify_cost: dict | None = None
+) -> FastAPI:
+    """`verify_cost`: the table the adaptive mode profiled at start, shown in the stats."""
     app = FastAPI(title="dspark", docs_url=None, redoc_url=None)
     vocab = len(tokenizer)
 
@@ -120,7 +124,8 @@ def create_app(engine: ServeEngine, tokenizer, model_name: str, mode: str) -> Fa
 
     @app.get("/v1/dspark/stats")
     async def stats():
-        return {"mode": mode, "busy": engine.busy(), **engine.stats.to_json()}
+        doc = {"mode": mode, "busy": engine.busy(), **engine.stats.to_json()}
+        return {**doc, "verify_cost": verify_cost} if verify_cost else doc
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -155,12 +155,14 @@ def cell_plan(params: Params) -> list[tuple[int, str]]:
 
 
 def measure(
-    params: Params, requests, paths: BenchPaths, root: Path, log, single=None
+    params: Params, requests, paths: BenchPaths, root: Path, log, single=None, verify_cost=None
 ) -> list[dict]:
     """Every mode's endpoint up at once, then each cell run mode after mode: the modes of a
     cell are measured minutes apart at most, so the machine's drift shows in every one alike
     (on this shared 2-core machine one mode's step time moves 15% between loads). `single`
-    measures one more cell beside the single-stream ones (transformers' generate)."""
+    measures one more cell beside the single-stream ones (transformers' generate); the
+    verify-cost tables the endpoints profiled go into `verify_cost` {mode: table}."""
+    verify_cost = {} if verify_cost is None else verify_cost
     cfg, host = params.benchmark, params.serve.host
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
@@ -177,6 +179,9 @@ def measure(
             for mode in group:
                 started[mode].wait_ready()
         endpoints = [started[m] for m in cfg.modes]
+        for ep in endpoints:
+            if table := ep.stats().get("verify_cost"):
+                verify_cost[ep.mode] = table
         for ep in endpoints:
             if cfg.warmup_requests:
                 run_client(ep.url, requests[cfg.workload], 1, cfg.warmup_requests, cfg, tmp)
@@ -271,10 +276,12 @@ def benchmark(params: Params, paths: BenchPaths, root: Path, log=print) -> dict:
             def single():
                 return hf_baseline(params, target, requests[params.benchmark.workload])
 
-        cells = measure(params, requests, paths, root, log, single)
+        verify_cost: dict = {}
+        cells = measure(params, requests, paths, root, log, single, verify_cost)
     finally:
         signal.signal(signal.SIGTERM, previous)
     result = assemble(params, cells)
+    result["verify_cost"] = verify_cost  # {mode: {"tokens": [...], "ms": [...]}}
     report.write_plots(result, paths.plots)
     report.write_report(result, paths.report)
     log(report.table(result))

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import httpx
 
-from dspark.evaluate.summary import distinct_n
 from dspark.io import write_json
 
 
@@ -107,6 +106,8 @@ def _pct(values: list[float], q: float) -> float | None:
 def summarize(cell: dict) -> dict:
     """Per-cell figures: aggregate and per-request tok/s, TTFT and inter-token latency (p50,
     p99, ms), tau, distinct-2. A chunk of n tokens after a gap g counts as n gaps of g/n."""
+    from dspark.evaluate.summary import distinct_n  # torch: not for the client process
+
     ok = [r for r in cell["records"] if "error" not in r and r["chunks"]]
     tokens = sum(sum(n for _, n in r["chunks"]) for r in ok)
     ttft = [r["chunks"][0][0] * 1000 for r in ok]

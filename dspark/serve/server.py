@@ -117,7 +117,7 @@ def serve(params: Params, target_dir: Path, drafts: Path, mode: str, host: str, 
 
     check_port(host, port)
     served = build(params, target_dir, drafts, mode)
-    app = create_app(served.engine, served.tokenizer, served.model_name, mode)
+    app = create_app(served.engine, served.tokenizer, served.model_name, mode, served.cost)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     # The engine keeps the main thread (torch is faster there); HTTP gets a thread of its own,

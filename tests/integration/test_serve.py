@@ -246,6 +246,8 @@ def test_benchmark_stage(workdir, tmp_path):
     crossover = result["crossover_concurrency"]
     assert crossover is None or crossover in (1, 2)
     assert set(result["overall"]) == {"none", "dspark_fixed", "dspark_adaptive"}
+    table = result["verify_cost"]["dspark_adaptive"]  # profiled at the endpoint's start
+    assert table["tokens"][0] == 1 and len(table["ms"]) == len(table["tokens"]) >= 2
     assert {"single_stream", "adaptive_loses_nowhere", "ttft_overhead"} <= set(result["goals"])
     assert (tmp_path / "plots" / "bench.png").stat().st_size > 0
     assert "tok/s" in (tmp_path / "report.md").read_text()
