@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -61,7 +61,8 @@ class CompletionRequest(BaseModel):
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = {"message": message, "type": kind, "param": param, "code": None}
     return JSONResponse({"error": body}, status_code=status)
 
 
@@ -128,7 +129,7 @@ def create_app(
         return {**doc, "verify_cost": verify_cost} if verify_cost else doc
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest):
         if body.model is not None and body.model != model_name:
             return _error(404, f"model: this server serves {model_name!r}, not {body.model!r}")
         if (bad := body.unsupported()) is not None:
