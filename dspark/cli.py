@@ -25,6 +25,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a dotted params key, e.g. --set prepare.num_samples=8",
     )
+    p.add_argument(
+        "--spec",
+        type=Path,
+        metavar="FILE",
+        help="cluster spec (infra/*.yaml), same as --set provision.spec=FILE",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -41,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     for stage in STAGES:
         p = sub.add_parser(stage.name, help=stage.help)
         _common(p)
+        if stage.name == "provision":
+            p.add_argument(
+                "--plan-only", action="store_true", help="print the spec's plan; start nothing"
+            )
+            p.add_argument(
+                "--teardown", action="store_true", help="remove the spec's network namespaces"
+            )
         if stage.name in ("prepare", "evaluate", "benchmark"):
             p.add_argument(
                 "--prompts",
@@ -69,15 +82,74 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--port", type=int, help="port (default: serve.port)")
     e.add_argument("--resolved", type=Path, help=argparse.SUPPRESS)  # the benchmark's params
 
+    sv = sub.add_parser("services", help="start, stop or list the spec's services (by PID)")
+    sv.add_argument("action", choices=("up", "down", "status"))
+    _common(sv)
+    sv.add_argument(
+        "--state", type=Path, default=Path("logs/services/state.json"), help=argparse.SUPPRESS
+    )
+
     d = sub.add_parser("dvc-yaml", help="write dvc.yaml from the stage registry")
     d.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml is out of date")
+
+    m = sub.add_parser("manifests", help="render a GPU cluster spec's Kubernetes manifests")
+    m.add_argument("--spec", type=Path, required=True, metavar="FILE", help="cluster spec")
+    m.add_argument("--out", type=Path, metavar="DIR", help="write DIR/<spec>.yaml, not stdout")
+    m.add_argument("--image", help="container image of every pod (default: dspark:<version>)")
+    m.add_argument("--namespace", default="dspark", help="namespace (default: dspark)")
+    m.add_argument("--check", action="store_true", help="exit 1 if DIR/<spec>.yaml is out of date")
+    m.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    m.add_argument("--profile", help="profile (default: the file's `profile:`)")
+    m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return parser
 
 
 def _load(args: argparse.Namespace):
     from dspark.config import load_params
 
-    return load_params(args.params, profile=args.profile, overrides=args.overrides)
+    overrides = list(args.overrides)
+    if getattr(args, "spec", None):
+        overrides.append(f"provision.spec={args.spec}")
+    return load_params(args.params, profile=args.profile, overrides=overrides)
+
+
+def _on_trainer_node(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """With a netns spec, run this command inside the training node's namespace (after making
+    the namespaces); return its exit code, or None to run here. `dspark run` also removes them."""
+    from dspark.infra import netns
+    from dspark.infra.plan import trainer_node
+    from dspark.infra.spec import resolve
+
+    spec = resolve(_load(args).provision.spec)
+    if spec.kind != "netns" or netns.current() is not None:
+        return None
+    netns.up(spec)
+    try:
+        return netns.reexec_on(trainer_node(spec), argv)
+    finally:
+        if args.command == "run":
+            netns.down(spec)
+
+
+def _provision_tools(args: argparse.Namespace) -> int:
+    """`provision --plan-only` and `--teardown`: nothing runs, nothing is written."""
+    import json
+
+    from dspark.infra import netns
+    from dspark.infra.report import plan_table
+    from dspark.infra.spec import resolve
+    from dspark.provision import plan_only
+
+    params = _load(args)
+    spec = resolve(params.provision.spec)
+    if args.teardown:
+        netns.down(spec)
+        print(f"{spec.name}: torn down", file=sys.stderr)
+        return 0
+    plan = plan_only(params, spec)
+    print(plan_table(plan), file=sys.stderr)
+    print(json.dumps(plan, indent=2))
+    return 0 if all(c["ok"] for c in plan.get("checks", [])) else 1
 
 
 def _run_stages(args: argparse.Namespace, names: list[str]) -> None:
@@ -122,11 +194,70 @@ def _endpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _services(args: argparse.Namespace) -> int:
+    import json
+
+    from dspark.infra import netns, services
+    from dspark.infra.spec import resolve
+
+    if args.action == "down":
+        print(json.dumps({"stopped": services.down(args.state)}))
+        return 0
+    if args.action == "status":
+        print(json.dumps(services.status(args.state), indent=2))
+        return 0
+    params = _load(args)
+    spec = resolve(params.provision.spec)
+    netns.up(spec)  # a master on a node needs the node
+    wanted = services.wanted(spec, Path.cwd(), tracking_uri=params.tracking.mlflow_uri)
+    state = services.up(wanted, args.state, args.state.parent)
+    print(json.dumps({k: {"pid": v["pid"], "port": v["port"]} for k, v in state.items()}))
+    return 0
+
+
+def _manifests(args: argparse.Namespace) -> int:
+    """`manifests`: the spec's Kubernetes objects as one YAML, on stdout or DIR/<spec>.yaml."""
+    from dspark.errors import ConfigError
+    from dspark.infra import k8s
+    from dspark.infra.spec import load_spec
+    from dspark.io import write_text
+
+    if args.check and args.out is None:
+        raise ConfigError("--check: compares DIR/<spec>.yaml, so it needs --out DIR")
+    params, spec = _load(args), load_spec(args.spec)
+    image = args.image if args.image is not None else k8s.DEFAULT_IMAGE
+    objs = k8s.manifests(spec, params, image=image, namespace=args.namespace)
+    text = k8s.to_yaml(objs, k8s.header(spec, params))
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    path = args.out / f"{spec.name}.yaml"
+    if args.check:
+        if not path.exists() or path.read_text() != text:
+            print(f"{path}: out of date (run dspark manifests --out {args.out})", file=sys.stderr)
+            return 1
+        return 0
+    write_text(path, text)
+    print(f"{path}: {len(objs)} objects", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     from dspark.errors import DsparkError
 
     try:
+        if args.command == "provision" and (args.plan_only or args.teardown):
+            return _provision_tools(args)
+        if args.command == "manifests":  # renders only: never moves onto a node
+            return _manifests(args)
+        if args.command == "services":
+            return _services(args)
+        if hasattr(args, "spec") and args.command != "endpoint":  # maybe on the training node
+            code = _on_trainer_node(args, argv)
+            if code is not None:
+                return code
         if args.command == "validate":
             from dspark.config import load_params, profile_names
 

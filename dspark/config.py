@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from dspark.errors import ConfigError
 
@@ -133,7 +141,9 @@ class TrackingConfig(Section):
 
 
 class ProvisionConfig(Section):
-    cluster: Literal["local"] = Field("local", description="where the run goes")
+    spec: str | None = Field(
+        None, description="cluster spec file (infra/*.yaml); none: every process on this machine"
+    )
     threads: PosInt | None = Field(None, description="torch threads (default: all cores)")
     memory_headroom: Annotated[float, Field(ge=1.0)] = Field(
         1.5, description="required free memory = headroom x the estimated peak"
@@ -161,7 +171,11 @@ class PrepareConfig(Section):
         description="share of answers the target regenerates (on-policy); the rest are kept "
         "from the dataset",
     )
-    engine: Literal["hf"] = Field("hf", description="generation engine")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="generation engine: transformers in process, or vLLM's server from its own "
+        "venv (`make vllm-venv`)",
+    )
     sampling: SamplingConfig = SamplingConfig()
     batch_size: PosInt = Field(8, description="prompts generated together")
     shard_size: PosInt = Field(64, description="samples per shard")
@@ -284,7 +298,14 @@ class TrainConfig(Section):
         16384, description="reduced draft vocabulary from training token counts (None: full)"
     )
     epochs: PosInt = 1
-    batch_size: PosInt = Field(4, description="sequences per step")
+    batch_size: PosInt = Field(
+        4, description="sequences per step: the global batch, split over the ranks"
+    )
+    world_size: PosInt = Field(
+        1,
+        description="data-parallel trainer processes (ranks); online, each is one consumer of "
+        "the stream, so extract.consumers must equal it",
+    )
     eval_samples: NonNegInt = Field(
         8, description="samples held out of training to measure tau_sim on"
     )
@@ -293,8 +314,32 @@ class TrainConfig(Section):
     shuffle_window: PosInt = Field(
         64, description="samples shuffled together (the stream arrives in id order)"
     )
-    threads: PosInt | None = Field(None, description="torch threads (default: all cores)")
+    threads: PosInt | None = Field(
+        None, description="torch threads per rank (default: the cores shared over the ranks)"
+    )
     seed: int = 0
+
+    @field_validator("world_size")
+    @classmethod
+    def _every_rank_gets_samples(cls, world: int, info: ValidationInfo) -> int:
+        batch = info.data.get("batch_size")
+        if batch is not None and world > batch:
+            raise ValueError(
+                f"{world} ranks share batches of {batch} (train.batch_size): a rank would "
+                "never get a sample"
+            )
+        return world
+
+
+def check_ranks(train: TrainConfig, extract: ExtractConfig) -> None:
+    """Online, each trainer rank consumes its own share of the stream: the counts must agree.
+    Offline (and hybrid) the ranks read the shards, whatever extract.consumers drained them."""
+    if extract.mode == "online" and extract.consumers != train.world_size:
+        raise ConfigError(
+            f"train.world_size: {train.world_size} ranks, but extract.consumers is "
+            f"{extract.consumers}; online, each rank is one consumer of the stream, so set "
+            "them equal"
+        )
 
 
 class NgramConfig(Section):
@@ -379,12 +424,16 @@ class ServeConfig(Section):
         return self
 
 
-Mode = Literal["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive"]
+# none_vllm: vLLM's own server (`make vllm-venv`) on the target alone, a reference for `none`.
+Mode = Literal["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive", "none_vllm"]
 
 
 class BenchmarkConfig(Section):
     modes: list[Mode] = Field(
-        ["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive"], min_length=1
+        ["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive"],
+        min_length=1,
+        description="served modes; none_vllm (opt-in: needs `make vllm-venv`, ~1 min to start) "
+        "adds vLLM's server on the target alone",
     )
     concurrency: list[PosInt] = Field([1, 2, 4, 8, 16], min_length=1)
     workload: Category | Literal["mix"] = Field(

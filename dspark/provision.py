@@ -14,6 +14,10 @@ from pathlib import Path
 
 from dspark.config import Params
 from dspark.errors import ResourceError
+from dspark.infra import netns
+from dspark.infra.plan import plan_cpu, plan_gpu
+from dspark.infra.spec import ClusterSpec
+from dspark.infra.spec import resolve as resolve_spec
 from dspark.io import ensure_writable_dir, write_json
 from dspark.models import target as target_mod
 from dspark.schema import WIRE_DTYPES, bytes_per_token
@@ -99,9 +103,24 @@ def estimate(params: Params, arch: dict) -> dict:
     }
 
 
+def plan_only(params: Params, spec: ClusterSpec) -> dict:
+    """The plan of `spec` without starting anything; for CPU kinds, the placement alone (the
+    resource checks need the target, which the stage materializes)."""
+    return plan_gpu(spec, params) if spec.kind == "cluster" else plan_cpu(spec, params)
+
+
 def provision(params: Params, target_dir: Path, plan_path: Path, workdir: Path = Path(".")) -> dict:
     """Run the stage; write the plan; return its metrics. Raises ResourceError on a shortfall."""
     t0 = time.perf_counter()
+    spec = resolve_spec(params.provision.spec)
+    if spec.kind == "cluster":
+        raise ResourceError(
+            f"provision.spec: {spec.name} is a GPU cluster: this machine can only plan it "
+            "(`dspark provision --spec FILE --plan-only`) and render its manifests "
+            "(`dspark manifests --spec FILE`)"
+        )
+    if netns.current() is None:  # inside a node the namespaces exist already
+        netns.up(spec)
     ensure_writable_dir(Path(plan_path).parent)
     threads = target_mod.set_threads(params.provision.threads)
     manifest = ensure_target(params, target_dir)
@@ -130,19 +149,14 @@ def provision(params: Params, target_dir: Path, plan_path: Path, workdir: Path =
     else:
         need = {}
     plan = {
-        "cluster": params.provision.cluster,
+        "spec": spec.model_dump(),
         "target": manifest,
         "architecture": arch,
         "machine": have,
         "threads": threads,
         "estimate": need,
         "checks": checks,
-        "placement": {
-            "inference_plane": [
-                {"node": "local", "role": "extract", "processes": params.extract.workers}
-            ],
-            "training_plane": [{"node": "local", "role": "train", "processes": 1}],
-        },
+        "placement": plan_cpu(spec, params),
     }
     write_json(plan_path, plan)
     failed = [c for c in checks if not c["ok"]]
@@ -155,6 +169,7 @@ def provision(params: Params, target_dir: Path, plan_path: Path, workdir: Path =
             f"{have_s} (see {plan_path}; provision.on_shortfall: warn to proceed)"
         )
     return {
+        "spec": spec.name,
         "target_kind": manifest["kind"],
         "num_layers": arch.get("num_layers"),
         "hidden_size": arch.get("hidden_size"),

@@ -8,6 +8,7 @@ the repo root) and one metrics file. The chain grows as stages land; none is fak
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ EVAL_REPORT = "metrics/eval_report.md"
 EVAL_RECORDS = "artifacts/eval_records"
 BENCH_REPORT = "metrics/bench_report.md"
 BENCH_LOGS = "logs/bench"
+PREPARE_ENGINE_LOG = "logs/vllm/prepare.log"
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ def _provision(ctx: StageContext) -> dict:
 def _prepare(ctx: StageContext) -> dict:
     from dspark.data.prepare import PreparePaths, prepare
     from dspark.data.prompts import read_prompt_file
+    from dspark.engines.vllm_server import default_venv
     from dspark.models.target import load_target, set_threads
 
     if ctx.prompts_file is not None:
@@ -110,6 +113,8 @@ def _prepare(ctx: StageContext) -> dict:
         eval_prompts=ctx.path(EVAL_PROMPTS),
         events=ctx.path(BY_NAME["prepare"].events),
         lengths_plot=ctx.path(PREPARE_LENGTHS),
+        engine_log=ctx.path(PREPARE_ENGINE_LOG),
+        vllm_venv=default_venv(ctx.root),
     )
     return prepare(ctx.params, target, paths, eval_file=ctx.prompts_file, progress=ctx.progress)
 
@@ -199,6 +204,9 @@ PROVENANCE_PACKAGES = (
     "needlehaystack",
 )
 
+# What placement on a spec's nodes imports (not the manifests or services: no stage runs them).
+INFRA_DEPS = ("dspark/infra/spec.py", "dspark/infra/plan.py", "dspark/infra/netns.py")
+
 # Every stage's result depends on the active profile and its overlay as well as its sections.
 PROFILE_KEYS = ("profile", "profiles.${profile}")
 
@@ -208,7 +216,12 @@ STAGES: tuple[Stage, ...] = (
         help="resolve the target, check resources, write the plan",
         run=_provision,
         params=("target", "provision", "prepare", "extract"),
-        deps=("dspark/provision.py", "dspark/models/target.py", "dspark/packages.py"),
+        deps=(
+            "dspark/provision.py",
+            "dspark/models/target.py",
+            "dspark/packages.py",
+            *INFRA_DEPS,
+        ),
         outs=(TARGET_DIR, PLAN),
         artifacts=(PLAN, f"{TARGET_DIR}/target.json"),
     ),
@@ -218,7 +231,7 @@ STAGES: tuple[Stage, ...] = (
         run=_prepare,
         # evaluate.max_new_tokens and the block size set the long-context prompt length.
         params=("data", "prepare", "target", "evaluate.max_new_tokens", "train.dspark.block_size"),
-        deps=(TARGET_DIR, "dspark/data", "evals/data/tools.json"),
+        deps=(TARGET_DIR, "dspark/data", "dspark/engines", "evals/data/tools.json"),
         outs=(SHARDS, "artifacts/prompts"),
         persist=True,
         plots=(Plot(PREPARE_LENGTHS, x="sample_id", y="response_tokens"),),
@@ -229,7 +242,14 @@ STAGES: tuple[Stage, ...] = (
         help="capture hidden states in producer processes and stream them over Mooncake",
         run=_extract,
         params=("target", "extract"),
-        deps=(TARGET_DIR, SHARDS, "dspark/extract", "dspark/transport", "dspark/schema.py"),
+        deps=(
+            TARGET_DIR,
+            SHARDS,
+            "dspark/extract",
+            "dspark/transport",
+            "dspark/schema.py",
+            *INFRA_DEPS,
+        ),
         outs=(HIDDEN,),
         artifacts=(f"{HIDDEN}/manifest.json",),
     ),
@@ -248,6 +268,7 @@ STAGES: tuple[Stage, ...] = (
             "dspark/transport",
             "dspark/extract",
             "dspark/schema.py",
+            *INFRA_DEPS,
         ),
         outs=(DRAFTS, TRAIN_CHECKPOINT),
         persist_outs=(TRAIN_CHECKPOINT,),
@@ -309,6 +330,7 @@ STAGES: tuple[Stage, ...] = (
             DRAFTS,
             EVAL_PROMPTS,
             "dspark/serve",
+            "dspark/engines",  # none_vllm
             "dspark/decode",
             "dspark/evaluate",  # the drafts' loading, transformers' generate, distinct-2
             "dspark/models",
@@ -320,7 +342,7 @@ STAGES: tuple[Stage, ...] = (
         report=BENCH_REPORT,
         plots=(Plot("plots/bench.csv", x="concurrency", y="tok_s"), Plot("plots/bench.png")),
         artifacts=(BENCH_REPORT, "plots/bench.png", "plots/bench.csv"),
-        children=("none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive"),
+        children=("none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive", "none_vllm"),
     ),
 )
 
@@ -336,6 +358,8 @@ def get(name: str) -> Stage:
 
 def run_stage(stage: Stage, ctx: StageContext) -> dict:
     """Run one stage and write its metrics file (the convention's stamp included)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK", "0") != "0":
+        return stage.run(ctx)  # a launcher's rank other than 0: rank 0 writes the files
     write_json(ctx.path(stage.resolved), provenance(ctx.params, ctx.root))
     t0 = time.perf_counter()
     result = stage.run(ctx)

@@ -3,8 +3,9 @@
 1. Build the evaluation prompts of every category and write them (the evaluate stage reads them).
 2. Walk the training sources, drop any prompt whose content hash is an evaluation prompt's, apply
    the chat template, and skip prompts longer than `prepare.max_prompt_tokens`.
-3. Shard by shard: the target regenerates `regenerate_fraction` of the answers (batched), the
-   rest keep the dataset's answer; the loss mask covers the response tokens only.
+3. Shard by shard: the target regenerates `regenerate_fraction` of the answers (batched, with
+   the `prepare.engine` of `engines.py`), the rest keep the dataset's answer; the loss mask
+   covers the response tokens only.
 Finished shards are skipped on a rerun, so an interrupted run continues where it stopped.
 """
 
@@ -22,8 +23,8 @@ from tqdm import tqdm
 
 from dspark.config import Params
 from dspark.data import shards as shard_io
+from dspark.data.engines import EngineSetup, GenerateFn, open_engine
 from dspark.data.eval_sources import build_eval_prompts
-from dspark.data.generate import generate_batch
 from dspark.data.prompts import Prompt, read_prompt_file, write_prompt_file
 from dspark.data.train_sources import iter_training_prompts
 from dspark.errors import DataError
@@ -39,6 +40,8 @@ class PreparePaths:
     eval_prompts: Path
     events: Path | None = None
     lengths_plot: Path | None = None  # CSV: sample_id, prompt_tokens, response_tokens
+    engine_log: Path | None = None  # the vllm engine's server log
+    vllm_venv: Path | None = None  # the vllm engine's venv (default: ./.venv-vllm)
 
 
 def long_context_tokens(params: Params, target: Target) -> int:
@@ -98,7 +101,7 @@ def _candidates(
 
 
 def _responses(
-    params: Params, target: Target, batch: list[_Candidate], shard: int
+    params: Params, target: Target, generate: GenerateFn, batch: list[_Candidate], shard: int
 ) -> tuple[list[list[int]], int]:
     """Responses in batch order, and how many were regenerated."""
     cfg = params.prepare
@@ -113,8 +116,7 @@ def _responses(
     regen.sort(key=lambda i: len(batch[i].prompt_ids))
     for start in range(0, len(regen), cfg.batch_size):
         rows = regen[start : start + cfg.batch_size]
-        generated = generate_batch(
-            target,
+        generated = generate(
             [batch[i].prompt_ids for i in rows],
             max_new_tokens=cfg.max_new_tokens,
             sampling=cfg.sampling,
@@ -154,40 +156,50 @@ def prepare(
     gen_seconds = 0.0
     target_n = cfg.num_samples or 10**12
     bar = tqdm(total=cfg.num_samples, desc="prepare", unit="sample", disable=not progress)
-    while sample_id < target_n and (cfg.token_budget is None or tokens < cfg.token_budget):
-        want = min(cfg.shard_size, target_n - sample_id)
-        batch = [c for _, c in zip(range(want), candidates, strict=False)]
-        if not batch:
-            break
-        index = len(entries)
-        path = paths.shards / shard_io.shard_name(index)
-        existing = _finished_shard(path, batch, sample_id, fingerprint)
-        if existing is not None:
-            entries.append(existing)
-            reused_shards += 1
-        else:
-            t_gen = time.perf_counter()
-            responses, n_regen = _responses(params, target, batch, index)
-            gen_seconds += time.perf_counter() - t_gen
-            samples = []
-            for offset, (c, response) in enumerate(zip(batch, responses, strict=True)):
-                ids = torch.tensor(c.prompt_ids + response, dtype=torch.int32)
-                mask = torch.zeros(ids.numel(), dtype=torch.bool)
-                mask[len(c.prompt_ids) :] = True
-                samples.append(shard_io.TokenSample(sample_id + offset, c.prompt.id, ids, mask))
-                gen_tokens += len(response)
-            entries.append(
-                shard_io.write_shard(path, samples, regenerated=n_regen, fingerprint=fingerprint)
+    setup = EngineSetup(
+        target=target,
+        target_dir=paths.target,
+        max_len=min(cfg.max_prompt_tokens + cfg.max_new_tokens, target.max_context),
+        batch=cfg.batch_size,
+        venv=paths.vllm_venv,
+        log=paths.engine_log,
+    )
+    with open_engine(cfg.engine, setup) as generate:
+        while sample_id < target_n and (cfg.token_budget is None or tokens < cfg.token_budget):
+            want = min(cfg.shard_size, target_n - sample_id)
+            batch = [c for _, c in zip(range(want), candidates, strict=False)]
+            if not batch:
+                break
+            index = len(entries)
+            path = paths.shards / shard_io.shard_name(index)
+            existing = _finished_shard(path, batch, sample_id, fingerprint)
+            if existing is not None:
+                entries.append(existing)
+                reused_shards += 1
+            else:
+                t_gen = time.perf_counter()
+                responses, n_regen = _responses(params, target, generate, batch, index)
+                gen_seconds += time.perf_counter() - t_gen
+                samples = []
+                for offset, (c, response) in enumerate(zip(batch, responses, strict=True)):
+                    ids = torch.tensor(c.prompt_ids + response, dtype=torch.int32)
+                    mask = torch.zeros(ids.numel(), dtype=torch.bool)
+                    mask[len(c.prompt_ids) :] = True
+                    samples.append(shard_io.TokenSample(sample_id + offset, c.prompt.id, ids, mask))
+                    gen_tokens += len(response)
+                entry = shard_io.write_shard(
+                    path, samples, regenerated=n_regen, fingerprint=fingerprint
+                )
+                entries.append(entry)
+            sample_id += entries[-1]["samples"]
+            tokens += entries[-1]["tokens"]
+            bar.update(entries[-1]["samples"])
+            events.log(
+                index,
+                samples=sample_id,
+                tokens=tokens,
+                gen_tok_s=gen_tokens / gen_seconds if gen_seconds else 0.0,
             )
-        sample_id += entries[-1]["samples"]
-        tokens += entries[-1]["tokens"]
-        bar.update(entries[-1]["samples"])
-        events.log(
-            index,
-            samples=sample_id,
-            tokens=tokens,
-            gen_tok_s=gen_tokens / gen_seconds if gen_seconds else 0.0,
-        )
     bar.close()
     if not entries:
         raise DataError("data.train_sources: no usable training prompts")

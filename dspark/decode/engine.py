@@ -178,7 +178,6 @@ class SpecDecoder:
         sampling: Sampling = GREEDY,
         seed: int = 0,
         fresh: bool = False,
-        plan: Plan | None = None,
     ) -> tuple[list[RowTrace], Timing]:
         """Generation after a prefill; `fresh` works on copies, so the prefill serves again."""
         if fresh:
@@ -204,7 +203,7 @@ class SpecDecoder:
 
         while rows.active.any():
             was_active = rows.active.clone()
-            st = self.step(rows, sampling, gen, plan=plan)
+            st = self.step(rows, sampling, gen)
             timing.draft_s += st.draft_s
             timing.verify_s += st.verify_s
             for i in torch.nonzero(was_active).flatten().tolist():
@@ -283,16 +282,16 @@ class SpecDecoder:
         idx = torch.arange(b)
         t0 = time.perf_counter()
         if draft:
-            draft = prop.propose(seq, n, active, sampling, gen, span)
+            proposal = prop.propose(seq, n, active, sampling, gen, span)
         else:
-            draft = Proposal(seq.new_zeros(b, 0), seq.new_zeros(b))
-        k_row = torch.where(active, draft.k_row, 0)
+            proposal = Proposal(seq.new_zeros(b, 0), seq.new_zeros(b))
+        k_row = torch.where(active, proposal.k_row, 0)
         if max_drafts is not None:
             k_row = k_row.clamp_max(max_drafts)
-        if plan is not None and draft.confidence is not None and bool(active.any()):
-            k_row[active] = torch.minimum(k_row[active], plan(draft.confidence[active]))
+        if plan is not None and proposal.confidence is not None and bool(active.any()):
+            k_row[active] = torch.minimum(k_row[active], plan(proposal.confidence[active]))
         k = int(k_row.max())  # verify no wider than the longest draft kept
-        drafts = draft.tokens[:, :k]
+        drafts = proposal.tokens[:, :k]
         t1 = time.perf_counter()
         width = k + 1
         tokens = torch.cat((seq[idx, n][:, None], drafts), dim=1)  # [b, 1+k]
@@ -302,7 +301,7 @@ class SpecDecoder:
         if sampling.greedy:
             verdict = verify_greedy(drafts, logits, k_row)
         else:
-            q = None if draft.q is None else draft.q[:, :k]
+            q = None if proposal.q is None else proposal.q[:, :k]
             verdict = verify_sampled(drafts, q, warp(logits, sampling), k_row, gen)
         t2 = time.perf_counter()
 
@@ -316,5 +315,5 @@ class SpecDecoder:
         prop.extend(seq, n, count, taps, span)  # the drafter's cache: its cost is drafting's
         n += count
         return Step(
-            k_row, a, new, count, draft.confidence, t1 - t0 + time.perf_counter() - t2, t2 - t1
+            k_row, a, new, count, proposal.confidence, t1 - t0 + time.perf_counter() - t2, t2 - t1
         )

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,12 @@ from tqdm import tqdm
 
 from dspark.config import Params
 from dspark.data.shards import read_manifest as read_token_manifest
+from dspark.errors import ResourceError
 from dspark.extract.capture import resolve_aux_layers
+from dspark.infra import netns
+from dspark.infra.plan import consumer_host, trainer_node
+from dspark.infra.plan import producers as place_producers
+from dspark.infra.spec import resolve as resolve_spec
 from dspark.metrics import EventLog
 from dspark.schema import Sample
 from dspark.transport.control import Coordinator
@@ -91,44 +96,59 @@ def open_stream(
     consumed: set[int] | None = None,
     workdir: Path | None = None,
     producer_overrides: Callable[[int], dict] | None = None,
+    peers: Sequence[str] = (),
 ) -> Iterator[StreamSetup]:
-    """Start the transport (master, coordinator, producers); stop all of it on exit."""
+    """Start the transport (master, coordinator, producers); stop all of it on exit.
+
+    `peers`: host:port of consumers' coordinators in other processes (the other trainer
+    ranks, each listening for its own ids); the producers serve them too. This process is then
+    one consumer, of all of `sample_ids`."""
     x = params.extract
     for key, value in MOONCAKE_ENV.items():
         os.environ.setdefault(key, value)
     aux = resolve_aux_layers(x.aux_layers, _num_layers(target_dir))
+    spec = resolve_spec(params.provision.spec)
+    trainer = trainer_node(spec)
+    if trainer.netns and netns.current() != trainer.netns:
+        raise ResourceError(
+            f"provision.spec: the consumer belongs on node {trainer.name} (namespace "
+            f"{trainer.netns}); run the stage through `dspark`, which moves there"
+        )
+    host = consumer_host(params)  # the consumer side: coordinators and the master
     run_id = uuid.uuid4().hex[:12]
+    local = 1 if peers else x.consumers  # consumers in this process
     with ExitStack() as stack:
         scratch = Path(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="dspark-stream-", dir=workdir))
         )
         coordinators = [
             Coordinator(
-                rank_ids(sample_ids, rank, x.consumers),
+                rank_ids(sample_ids, rank, local),
                 consumed=consumed,
-                host=x.host,
+                host=host,
                 port=x.control_port + rank if x.control_port else 0,
                 max_in_flight=x.max_in_flight,
                 heartbeat_timeout=x.heartbeat_timeout,
             )
-            for rank in range(x.consumers)
+            for rank in range(local)
         ]
         for c in coordinators:
             stack.callback(c.close)
         if x.transport == "mooncake":
-            master = stack.enter_context(MooncakeMaster.start(x.host, log=scratch / "master.log"))
+            master = stack.enter_context(MooncakeMaster.start(host, log=scratch / "master.log"))
             store: PayloadStore = MooncakeStore(
-                master.address, host=x.host, segment_bytes=0, buffer_bytes=x.buffer_mb << 20
+                master.address, host=host, segment_bytes=0, buffer_bytes=x.buffer_mb << 20
             )
         else:
             master = None
             store = FileStore(scratch / "payloads")
         threads = max(1, (os.cpu_count() or 1) // x.workers)
         producers = []
-        for i in range(x.workers):
+        for slot in place_producers(spec, x.workers):
+            i = slot.index
             cfg = ProducerConfig(
                 name=f"producer-{i}",
-                coordinators=[c.address for c in coordinators],
+                coordinators=[*(c.address for c in coordinators), *peers],
                 run_id=run_id,
                 target_dir=str(target_dir),
                 shards_dir=str(shards_dir),
@@ -138,7 +158,7 @@ def open_stream(
                 store=x.transport,
                 master=master.address if master else "",
                 files_dir=str(scratch / "payloads"),
-                host=x.host,
+                host=slot.address or x.host,
                 segment_bytes=x.segment_mb << 20,
                 buffer_bytes=16 << 20,
                 threads=threads,
@@ -149,7 +169,7 @@ def open_stream(
             log = open(scratch / f"producer-{i}.log", "w")  # noqa: SIM115 - child owns it
             producers.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "dspark.transport.producer", str(path)],
+                    slot.command([sys.executable, "-m", "dspark.transport.producer", str(path)]),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env={**os.environ},

@@ -7,7 +7,8 @@ A cell is (mode, concurrency, workload): `requests_per_client` x c requests (at 
 `min_requests`), closed loop, after the mode's warm-up requests. All modes' endpoints run at once
 (idle ones cost nothing) and each cell is run for every mode in turn, so ratios compare
 measurements taken side by side. Around each cell the server's step counters are read, so each
-cell knows its steps and how its time split between drafting and verification.
+cell knows its steps and how its time split between drafting and verification. Mode `none_vllm`
+(opt-in) serves vLLM's own server instead of ours: see `vllm_mode.py`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from dspark.errors import DataError
 from dspark.io import write_json
 from dspark.serve import report
 from dspark.serve.client import summarize
+from dspark.serve.vllm_mode import MODE as VLLM_MODE
+from dspark.serve.vllm_mode import VllmEndpoint
 
 SPECULATIVE = ("ngram", "eagle3", "dspark_fixed", "dspark_adaptive")
 READY_TIMEOUT_S = 900.0  # loading plus the adaptive mode's verify-cost profile
@@ -88,6 +91,8 @@ class EndpointProcess:
     """`dspark endpoint` for one mode, in this process group (a group kill reaches it), with
     its log in `log`. A context manager: the server is stopped, and its port freed, on exit."""
 
+    client_args: tuple[str, ...] = ()  # what the load client adds for this server
+
     def __init__(self, mode: str, host: str, port: int, root: Path, log: Path, resolved: Path):
         self.mode, self.url = mode, f"http://{host}:{port}"
         self.log = log
@@ -132,14 +137,16 @@ class EndpointProcess:
         self.stop()
 
 
-def run_client(url: str, requests: list[dict], concurrency: int, count: int, cfg, tmp: Path):
+def run_client(
+    url: str, requests: list[dict], concurrency: int, count: int, cfg, tmp: Path, extra=()
+):
     """One cell through the load client process -> its raw records."""
     reqs, out = tmp / "requests.json", tmp / "cell.json"
     write_json(reqs, [{"id": r["id"], "prompt": r["prompt"]} for r in requests])
     argv = [sys.executable, "-m", "dspark.serve.client", "--url", url, "--requests", str(reqs)]
     argv += ["--concurrency", str(concurrency), "--max-requests", str(count)]
     argv += ["--max-seconds", str(cfg.max_seconds), "--max-tokens", str(cfg.max_tokens)]
-    argv += ["--out", str(out)]
+    argv += ["--out", str(out), *extra]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"load client failed ({done.returncode}): {done.stderr.strip()[-300:]}")
@@ -174,7 +181,10 @@ def measure(
         for group in ([m for m in cfg.modes if m not in quiet], quiet):
             for mode in group:
                 log_file = paths.logs / f"{mode}.log"
-                ep = EndpointProcess(mode, host, free_port(host), root, log_file, resolved)
+                if mode == VLLM_MODE:
+                    ep = VllmEndpoint(params, paths.target, root, host, log_file)
+                else:
+                    ep = EndpointProcess(mode, host, free_port(host), root, log_file, resolved)
                 started[mode] = stack.enter_context(ep)
             for mode in group:
                 started[mode].wait_ready()
@@ -184,7 +194,9 @@ def measure(
                 verify_cost[ep.mode] = table
         for ep in endpoints:
             if cfg.warmup_requests:
-                run_client(ep.url, requests[cfg.workload], 1, cfg.warmup_requests, cfg, tmp)
+                run_client(
+                    ep.url, requests[cfg.workload], 1, cfg.warmup_requests, cfg, tmp, ep.client_args
+                )
         cells = []
         for concurrency, workload in cell_plan(params):
             if single and (concurrency, workload) == (1, cfg.workload):
@@ -204,7 +216,7 @@ def run_cell(ep: EndpointProcess, concurrency: int, workload: str, params, reque
     cfg = params.benchmark
     count = max(cfg.min_requests, cfg.requests_per_client * concurrency)
     before = ep.stats()
-    raw = run_client(ep.url, requests[workload], concurrency, count, cfg, tmp)
+    raw = run_client(ep.url, requests[workload], concurrency, count, cfg, tmp, ep.client_args)
     after = ep.stats()
     cell = {"mode": ep.mode, "concurrency": concurrency, "workload": workload}
     cell.update(summarize(raw))

@@ -7,8 +7,12 @@ server's interpreter:
         --concurrency 4 --max-requests 8 --max-tokens 64 --out cell.json
 
 `reqs.json` is a list of {"id": ..., "prompt": [token ids]}; requests go out in that order,
-cycling. The output has one record per request (arrival times of every streamed chunk and the
-tokens in it) and the cell's wall time; `summarize` turns that into the benchmark's figures.
+cycling. Each asks for the token ids of every chunk (`return_token_ids`, which vLLM needs and our
+endpoint always does) and the usage (`stream_options`: vLLM then sends it in a last chunk with
+no choices). `--temperature`/`--top-p` go in every request: vLLM samples per request (default
+temperature 1), our endpoint refuses values other than its own. The output has one record per
+request (arrival times of every streamed chunk and the tokens in it) and the cell's wall time;
+`summarize` turns that into the benchmark's figures.
 """
 
 from __future__ import annotations
@@ -27,9 +31,21 @@ from dspark.io import write_json
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, req: dict, max_tokens: int, model: str | None
+    client: httpx.AsyncClient,
+    url: str,
+    req: dict,
+    max_tokens: int,
+    model: str | None,
+    sampling: dict | None = None,
 ) -> dict:
-    body = {"prompt": req["prompt"], "max_tokens": max_tokens, "stream": True}
+    body = {
+        "prompt": req["prompt"],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+        **(sampling or {}),
+    }
     if model:
         body["model"] = model
     rec = {"id": req["id"], "prompt_tokens": len(req["prompt"]), "chunks": [], "tokens": []}
@@ -50,9 +66,15 @@ async def one_request(
                 if "error" in doc:
                     rec["error"] = doc["error"].get("message", "error")
                     break
+                if doc.get("usage"):
+                    rec["completion_tokens"] = doc["usage"].get("completion_tokens")
+                if not doc.get("choices"):  # vLLM's usage chunk
+                    continue
                 choice = doc["choices"][0]
-                ids = choice.get("token_ids")  # vLLM without return_token_ids: a token a chunk
-                rec["chunks"].append([time.perf_counter() - t0, len(ids) if ids else 1])
+                ids = choice.get("token_ids")
+                n = 1 if ids is None else len(ids)  # a server without token ids: one a chunk
+                if n:  # a chunk of no token (a finish reason alone) is no arrival
+                    rec["chunks"].append([time.perf_counter() - t0, n])
                 rec["tokens"].extend(ids or [])
                 if choice.get("finish_reason"):
                     rec["finish"] = choice["finish_reason"]
@@ -72,6 +94,7 @@ async def closed_loop(
     max_seconds: float,
     max_tokens: int,
     model: str | None = None,
+    sampling: dict | None = None,
 ) -> dict:
     issued = 0
     records: list[dict] = []
@@ -82,7 +105,7 @@ async def closed_loop(
         while issued < max_requests and time.perf_counter() - start < max_seconds:
             req = requests[issued % len(requests)]
             issued += 1
-            records.append(await one_request(client, url, req, max_tokens, model))
+            records.append(await one_request(client, url, req, max_tokens, model, sampling))
 
     limits = httpx.Limits(max_connections=concurrency + 1)
     timeout = httpx.Timeout(None, connect=10.0)
@@ -150,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seconds", type=float, default=600.0)
     ap.add_argument("--max-tokens", type=int, required=True)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--temperature", type=float, default=None, help="sent in every request")
+    ap.add_argument("--top-p", type=float, default=None, help="sent in every request")
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
     try:
@@ -174,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
             args.max_seconds,
             args.max_tokens,
             args.model,
+            {
+                k: v
+                for k, v in (("temperature", args.temperature), ("top_p", args.top_p))
+                if v is not None
+            },
         )
     )
     write_json(args.out, cell)

@@ -43,8 +43,6 @@ class Request:
     steps: int = 0  # verify steps (the prefill's token is not one)
     proposed: int = 0
     accepted: int = 0
-    submitted: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
     finish: str | None = None  # "stop" (EOS), "length", "cancelled" or "error"
     cancelled: bool = False
 
@@ -195,7 +193,6 @@ class ServeEngine:
             first = self.decoder.admit(self.rows, free, req.prompt, self.sampling, self.gen)
             self.stats.prefill_s += time.perf_counter() - t0
             self.stats.requests += 1
-            req.first_token_at = time.perf_counter()
             self._deliver(free, req, [first])
 
     def _deliver(self, r: int, req: Request, new: list[int]) -> None:

@@ -10,6 +10,7 @@ Shape glossary: N anchors (or positions), K slots, d draft vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +57,13 @@ def slot_losses(
     valid: torch.Tensor,  # [N, K] bool: slot has a supervised label
     w: LossWeights,
     confidence_logits: torch.Tensor | None = None,  # [N, K]
+    total: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Weighted CE + TV (+ confidence BCE), with the acceptance each slot would get."""
+    """Weighted CE + TV (+ confidence BCE), with the acceptance each slot would get.
+
+    `total` sums a tensor over the data-parallel ranks that share the global batch (None: this
+    process holds all of it). The normalizers are then the global batch's, so each rank's loss
+    is its share of the global mean and the ranks' gradients add up to one process's."""
     k = logits.shape[1]
     mask = supervised_prefix(valid)
     logq = F.log_softmax(logits.float(), dim=-1)
@@ -71,7 +77,10 @@ def slot_losses(
     ce = torch.where(has_label, ce, torch.zeros_like(ce))
 
     weights = w.slot_weights(k).to(logits.device)[None, :] * mask  # [N, K]
-    norm = weights.sum().clamp_min(1e-6)
+    norm_w, norm_m = weights.sum(), mask.sum()
+    if total is not None:
+        norm_w, norm_m = total(torch.stack((norm_w, norm_m.to(norm_w.dtype)))).unbind()
+    norm = norm_w.clamp_min(1e-6)
     loss_ce = (ce * weights).sum() / norm
     loss_tv = (tv * weights).sum() / norm
     loss = w.ce * loss_ce + w.tv * loss_tv
@@ -85,7 +94,7 @@ def slot_losses(
         bce = F.binary_cross_entropy_with_logits(
             confidence_logits.float(), accept.detach(), reduction="none"
         )
-        loss_conf = (bce * mask).sum() / mask.sum().clamp_min(1)
+        loss_conf = (bce * mask).sum() / norm_m.clamp_min(1)
         loss = loss + w.confidence * loss_conf
         out["loss_confidence"] = loss_conf
     out["loss"] = loss

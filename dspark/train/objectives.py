@@ -10,6 +10,7 @@ EAGLE-3 unrolls from every one of them, as its training-time test does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,16 @@ def pick_anchors(
     return anchors, ok
 
 
+def skip_draws(gen: torch.Generator, candidates: list[int], max_anchors: int | None) -> None:
+    """Advance `gen` past the draws pick_anchors makes for rows with these candidate counts.
+
+    A data-parallel rank replays the draws of the rows lower ranks hold of the same global
+    batch, so it picks the anchors one process would have picked for its rows."""
+    for n in candidates:
+        if max_anchors is not None and n > max_anchors:
+            torch.randperm(n, generator=gen)
+
+
 def gather_slots(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, k: int):
     """Per slot (anchor a, slot j -> position p_a + j): target probs, labels and validity,
     flattened to [N, K, ...] over the valid anchors only."""
@@ -62,24 +73,35 @@ def gather_slots(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, k: int):
     return batch.p_target[rows, pos][ok], batch.labels[rows, pos][ok], valid[ok]
 
 
+Total = Callable[[torch.Tensor], torch.Tensor]  # sums over the data-parallel ranks
+
+
 @dataclass(frozen=True)
 class DSparkObjective:
     weights: LossWeights
     max_anchors: int | None = 512
+    total: Total | None = None  # data-parallel: normalize by the global batch (slot_losses)
 
     def __call__(self, model: DSparkDraft, batch: Batch, gen: torch.Generator | None) -> dict:
         anchors, ok = pick_anchors(anchor_candidates(batch), self.max_anchors, gen)
         logits, conf = model.forward_train(batch.input_ids, batch.aux, anchors, ok)
         p, labels, valid = gather_slots(batch, anchors, ok, model.cfg.block_size)
-        return slot_losses(logits, p, labels, valid, self.weights, conf)
+        return slot_losses(logits, p, labels, valid, self.weights, conf, total=self.total)
+
+    def skip(self, gen: torch.Generator, candidates: list[int]) -> None:
+        skip_draws(gen, candidates, self.max_anchors)
 
 
 @dataclass(frozen=True)
 class Eagle3Objective:
     weights: LossWeights
+    total: Total | None = None
 
     def __call__(self, model: Eagle3Draft, batch: Batch, gen: torch.Generator | None) -> dict:
         chains, ok = pick_anchors(anchor_candidates(batch), None, None)
         logits = model.forward_ttt(batch.input_ids, batch.aux, chains, ok)  # [N, K, d]
         p, labels, valid = gather_slots(batch, chains, ok, model.cfg.ttt_steps)
-        return slot_losses(logits, p, labels, valid, self.weights)
+        return slot_losses(logits, p, labels, valid, self.weights, total=self.total)
+
+    def skip(self, gen: torch.Generator, candidates: list[int]) -> None:
+        """Unrolls from every candidate: no draws to replay."""

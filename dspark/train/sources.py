@@ -8,10 +8,14 @@ batches it already trained on.
 
     online   the trainer is the consumer of issue 3's stream: producers run the target now
     offline  hidden-state shards the extract stage wrote (mode offline or hybrid)
+
+Data-parallel, each rank asks for its own samples: online it is one consumer of the stream
+(its own coordinator; rank 0 starts the producers for all of them), offline it reads them.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,8 +25,13 @@ import torch
 
 from dspark.config import Params
 from dspark.errors import DataError
+from dspark.infra.plan import consumer_host
 from dspark.schema import Sample
+from dspark.train.distributed import Ranks
+from dspark.transport.control import Coordinator
 from dspark.transport.files import read_entry, read_hidden_manifest
+from dspark.transport.stores import FileStore, MooncakeStore, PayloadStore
+from dspark.transport.stream import StreamConsumer
 
 
 def split_eval(ids: list[int], count: int) -> tuple[list[int], list[int]]:
@@ -107,10 +116,16 @@ def open_source(
     shards_dir: Path,
     hidden_dir: Path,
     online: bool,
+    ranks: Ranks | None = None,
 ) -> Iterator[Source]:
-    """A Source over `ids` (any order of requests within the plan's windows)."""
+    """A Source over `ids` (any order of requests within the plan's windows). With `ranks`,
+    every rank must open its source at the same point (the stream's setup is collective)."""
     if not online:
         yield Source(HiddenShards(hidden_dir).read(sorted(ids)))
+        return
+    if ranks is not None:
+        with rank_stream(params, sorted(ids), ranks, target_dir, shards_dir) as consumer:
+            yield Source(iter(consumer))
         return
     from dspark.extract.stage import open_stream
 
@@ -119,3 +134,54 @@ def open_source(
     ) as stream:
         (consumer,) = stream.consumers(fetch_timeout=params.extract.fetch_timeout)
         yield Source(iter(consumer))
+
+
+@contextmanager
+def rank_stream(
+    params: Params, ids: list[int], ranks: Ranks, target_dir: Path, shards_dir: Path
+) -> Iterator[StreamConsumer]:
+    """This rank's consumer of one stream: every rank listens for its own ids; rank 0 starts
+    the master and producers for all of them and tells the others where the payloads are."""
+    from dspark.extract.stage import MOONCAKE_ENV, open_stream
+
+    x = params.extract
+    if ranks.leader:
+        addresses = ranks.gather(None)[1:]
+        with open_stream(
+            params,
+            target_dir=target_dir,
+            shards_dir=shards_dir,
+            sample_ids=ids,
+            peers=addresses,
+        ) as stream:
+            store = stream.store
+            ranks.broadcast(stream.master.address if stream.master else str(store.folder))
+            (consumer,) = stream.consumers(fetch_timeout=x.fetch_timeout)
+            yield consumer
+            ranks.barrier()  # every rank is done with the payloads before they go
+        return
+    coordinator = Coordinator(
+        ids,
+        host=consumer_host(params),  # the producers, maybe on other nodes, connect here
+        port=x.control_port + ranks.rank if x.control_port else 0,
+        max_in_flight=x.max_in_flight,
+        heartbeat_timeout=x.heartbeat_timeout,
+    )
+    try:
+        ranks.gather(coordinator.address)
+        where = ranks.broadcast(None)
+        if x.transport == "mooncake":
+            for key, value in MOONCAKE_ENV.items():
+                os.environ.setdefault(key, value)
+            host = where.rsplit(":", 1)[0]  # the master binds on this machine's consumer side
+            store: PayloadStore = MooncakeStore(
+                where, host=host, segment_bytes=0, buffer_bytes=x.buffer_mb << 20
+            )
+        else:
+            store = FileStore(Path(where))
+        yield StreamConsumer(coordinator, store, fetch_timeout=x.fetch_timeout)
+        coordinator.close()  # `done` to the producers: they exit once every rank has said it
+        ranks.barrier()
+        store.close()
+    finally:
+        coordinator.close()

@@ -3,6 +3,10 @@ hidden states, then written as draft folders with their curves and metrics.
 
     online   (extract.mode online) the trainer consumes the Mooncake stream itself
     offline  (offline, hybrid)     the trainer reads the extract stage's hidden-state shards
+
+With train.world_size N > 1 this process is rank 0 of N data-parallel ranks (distributed.py):
+every rank prepares the same drafts and trains on its share of each batch; rank 0 alone
+evaluates and writes the outputs.
 """
 
 from __future__ import annotations
@@ -10,12 +14,13 @@ from __future__ import annotations
 import csv
 import functools
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dspark.config import Params
+from dspark.config import Params, check_ranks
 from dspark.data.shards import iter_samples
 from dspark.data.shards import read_manifest as read_token_manifest
 from dspark.errors import ConfigError
@@ -29,6 +34,7 @@ from dspark.models.target import Target, load_target, read_manifest, set_threads
 from dspark.models.vocab import build_draft_ids, count_tokens
 from dspark.train.batch import TargetHead
 from dspark.train.checkpoint import save_draft
+from dspark.train.distributed import Ranks, join_launcher, spawn_ranks, under_launcher
 from dspark.train.losses import LossWeights
 from dspark.train.objectives import DSparkObjective, Eagle3Objective
 from dspark.train.sources import open_source, split_eval
@@ -153,13 +159,26 @@ def build_runs(
 
 
 def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
+    """Run the stage; return its metrics. With train.world_size > 1 this process is rank 0
+    and starts the other ranks."""
+    check_ranks(params.train, params.extract)
+    if under_launcher():
+        with join_launcher(params) as ranks:
+            return train_rank(params, paths, progress=progress and ranks.leader, ranks=ranks)
+    if params.train.world_size == 1:
+        return train_rank(params, paths, progress=progress)
+    with spawn_ranks(params, paths) as ranks:
+        return train_rank(params, paths, progress=progress, ranks=ranks)
+
+
+def train_rank(
+    params: Params, paths: TrainPaths, *, progress: bool = True, ranks: Ranks | None = None
+) -> dict:
+    """One rank's part of the stage (all of it without `ranks`); {} on ranks other than 0."""
     t = params.train
-    if params.extract.consumers != 1:
-        raise ConfigError(
-            "extract.consumers: the trainer is one consumer; multi-rank training lands with "
-            "distributed training (issue 7)"
-        )
-    set_threads(t.threads)
+    lead = ranks is None or ranks.leader
+    # The ranks share the cores unless told otherwise.
+    set_threads(t.threads or (max(1, (os.cpu_count() or 1) // ranks.world) if ranks else None))
     target = load_target(paths.target, params.target.dtype, params.target.max_context)
     tokens_doc = read_token_manifest(paths.shards)
     train_ids, eval_ids = split_eval(list(range(tokens_doc["num_samples"])), t.eval_samples)
@@ -180,7 +199,8 @@ def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
     fp = fingerprint(
         code_hash(),
         params.target.model_dump(mode="json"),
-        params.train.model_dump(mode="json"),
+        # Results do not depend on the world size: a checkpoint resumes on any number of ranks.
+        params.train.model_dump(mode="json", exclude={"world_size"}),
         params.extract.model_dump(mode="json"),
         read_manifest(paths.target),
         [s["sha256"] for s in tokens_doc["shards"]],
@@ -192,8 +212,9 @@ def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
         head=head,
         checkpoint_dir=paths.checkpoint,
         fingerprint=fp,
-        events=EventLog(paths.events),
-        progress=progress,
+        events=EventLog(paths.events) if lead else None,
+        progress=progress and lead,
+        ranks=ranks,
     )
 
     source = functools.partial(
@@ -203,8 +224,11 @@ def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
         shards_dir=paths.shards,
         hidden_dir=paths.hidden,
         online=online,
+        ranks=ranks,
     )
     loop = trainer.fit(source, train_ids, eval_ids)
+    if not lead:
+        return {}
     coverage = float(counts[draft_ids].sum() / counts.sum().clamp_min(1))
     provenance = {
         "target": read_manifest(paths.target).get("source"),
@@ -220,6 +244,7 @@ def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
     write_curves(runs, paths.curves_csv, paths.curves_png)
     return {
         "source": "stream" if online else "shards",
+        "world_size": t.world_size,
         "train_samples": len(train_ids),
         "eval_samples": len(eval_ids),
         "draft_vocab_size": int(draft_ids.numel()),

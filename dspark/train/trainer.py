@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -30,7 +30,9 @@ from dspark.metrics import EventLog
 from dspark.schema import Sample
 from dspark.train import checkpoint as ckpt
 from dspark.train.batch import Batch, TargetHead, collate
+from dspark.train.distributed import Part, Ranks, data_parallel
 from dspark.train.losses import AcceptanceStats
+from dspark.train.objectives import anchor_candidates
 from dspark.train.sources import Source, epoch_plan
 
 STATE = "state.json"
@@ -72,35 +74,64 @@ class DraftRun:
             betas=self.optim.betas,
             weight_decay=self.optim.weight_decay,
         )
+        self.parallel: nn.Module | None = None  # the objective under DDP, when data-parallel
 
-    def step(self, batch: Batch, step: int, total: int, seed: int, prep_s: float) -> dict:
+    def data_parallel(self, ranks: Ranks) -> None:
+        """Train as one of `ranks`, each normalizing its loss by the global batch."""
+        self.objective = replace(self.objective, total=ranks.sum)
+        self.parallel = data_parallel(self.model, self.objective)
+
+    def step(
+        self,
+        batch: Batch,
+        step: int,
+        total: int,
+        seed: int,
+        prep_s: float,
+        part: Part | None = None,
+    ) -> dict:
+        """One optimizer step on `batch`: the whole global batch, or this rank's `part` of it."""
         self.model.train()
         lr = lr_at(step, total, self.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         gen = torch.Generator().manual_seed(seed * 7919 + step)
+        if part is not None:
+            self.objective.skip(gen, part.rows_before)
         t0 = time.perf_counter()
-        out = self.objective(self.model, batch, gen)
-        if not torch.isfinite(out["loss"]):
+        if self.parallel is None:
+            out = self.objective(self.model, batch, gen)
+        else:
+            out = self.parallel(batch, gen)
+        stats = AcceptanceStats(self.slots)
+        stats.add(out["accept"], out["mask"])
+        losses = {k: v.detach() for k, v in out.items() if k.startswith("loss")}
+        tokens = batch.tokens
+        if part is not None:  # every rank sees the global figures, and fails together
+            losses, tokens = part.reduce(losses, stats), part.tokens
+        if not torch.isfinite(losses["loss"]):
             raise DataError(
                 f"train: {self.name}: non-finite loss at step {step}; the checkpoint keeps the "
                 "last good state"
             )
         self.optimizer.zero_grad(set_to_none=True)
-        out["loss"].backward()
+        if part is None:
+            out["loss"].backward()
+        else:
+            # DDP averages the ranks' gradients; each loss is a share of the global mean, so
+            # scaling by the world size makes the average their sum: one process's gradient.
+            (out["loss"] * part.ranks.world).backward()
         clip = self.optim.grad_clip if self.optim.grad_clip is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         self.optimizer.step()
         spent = time.perf_counter() - t0 + prep_s
         self.wall_s += spent
-        stats = AcceptanceStats(self.slots)
-        stats.add(out["accept"], out["mask"])
-        metrics = {k: float(v.detach()) for k, v in out.items() if k.startswith("loss")}
+        metrics = {k: float(v) for k, v in losses.items()}
         metrics.update(
             tau_sim=stats.tau,
             lr=lr,
             grad_norm=grad_norm,
-            tokens_per_s=batch.tokens / spent,
+            tokens_per_s=tokens / spent,
             wall_s=self.wall_s,
         )
         for k, rate in enumerate(stats.pos_accept):
@@ -145,6 +176,16 @@ class Trainer:
     eval_s: float = 0.0
     loop_s: float = 0.0  # this loop's wall time, summed over resumed runs
     resumed_from: int | None = None
+    ranks: Ranks | None = None  # data-parallel ranks sharing each batch; None: this process only
+
+    @property
+    def leader(self) -> bool:
+        """The process that evaluates and writes checkpoints."""
+        return self.ranks is None or self.ranks.leader
+
+    def share(self, ids: list[int]) -> list[int]:
+        """This process's samples of a planned batch."""
+        return ids if self.ranks is None else self.ranks.share(ids)
 
     def fit(self, open_source: SourceFactory, train_ids: list[int], eval_ids: list[int]) -> dict:
         c = self.cfg
@@ -154,7 +195,10 @@ class Trainer:
         ]
         total = sum(len(p) for p in plans)
         eval_every = max(1, total // c.eval_points)
-        epoch, start = self._resume()
+        epoch, start = self._resume()  # every rank loads the checkpoint rank 0 wrote
+        if self.ranks is not None:
+            for run in self.runs:
+                run.data_parallel(self.ranks)
         eval_batches: list[Batch] | None = None
         bar = tqdm(
             total=total, initial=self.step, desc="train", unit="step", disable=not self.progress
@@ -164,16 +208,16 @@ class Trainer:
         for e in range(epoch, c.epochs):
             plan = plans[e]
             first = start if e == epoch else 0
-            need = [i for b in plan[first:] for i in b]
-            if eval_batches is None:
+            need = [i for b in plan[first:] for i in self.share(b)]
+            if eval_batches is None and self.leader:
                 need = sorted(set(need) | set(eval_ids))
             with open_source(need) as source:
                 if eval_batches is None:
-                    eval_batches = self._eval_batches(source.take(eval_ids))
+                    eval_batches = self._eval_batches(source.take(eval_ids)) if self.leader else []
                     if self.step == 0:
                         self._evaluate(eval_batches)
                 for b in range(first, len(plan)):
-                    self._train_step(source.take(plan[b]), total)
+                    self._train_step(source.take(self.share(plan[b])), total)
                     bar.update(1)
                     if self.step % eval_every == 0 or self.step == total:
                         self._evaluate(eval_batches)
@@ -210,18 +254,35 @@ class Trainer:
 
     def _train_step(self, samples: list[Sample], total: int) -> None:
         t0 = time.perf_counter()
-        batch = collate(samples, self.head)
+        # A rank with no share of a short last batch still takes part in the step's
+        # all-reduces, on a blank sample with nothing supervised: it adds nothing.
+        batch = collate(samples or [self._blank()], self.head)
         prep = time.perf_counter() - t0
+        part, tokens = None, batch.tokens
+        if self.ranks is not None:
+            rows = anchor_candidates(batch).sum(1).tolist() if samples else []
+            part = Part.gather(self.ranks, rows, batch.tokens if samples else 0)
+            tokens = part.tokens
         logged: dict[str, float] = {}
         for run in self.runs:
-            for k, v in run.step(batch, self.step, total, self.cfg.seed, prep).items():
+            for k, v in run.step(batch, self.step, total, self.cfg.seed, prep, part).items():
                 logged[f"{run.name}/{k}"] = v
         self.step += 1
-        self.tokens += batch.tokens
+        self.tokens += tokens
         if self.events:
             self.events.log(self.step, tokens=self.tokens, **logged)
 
+    def _blank(self) -> Sample:
+        cfg = self.runs[0].model.cfg
+        n, h = len(cfg.aux_layers), cfg.layer.hidden_size
+        mask = torch.zeros(2, dtype=torch.bool)
+        return Sample(
+            -1, torch.zeros(2, dtype=torch.int32), mask, torch.zeros(n, 2, h), torch.zeros(2, h)
+        )
+
     def _evaluate(self, batches: list[Batch]) -> None:
+        if not self.leader:
+            return
         t0 = time.perf_counter()
         logged = {}
         for run in self.runs:
@@ -236,6 +297,8 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------------
 
     def save_checkpoint(self, epoch: int, batch: int) -> None:
+        if not self.leader:
+            return
         with atomic_dir(self.checkpoint_dir) as tmp:
             for run in self.runs:
                 tensors = {k: v.detach().contiguous() for k, v in run.model.state_dict().items()}

@@ -1,6 +1,11 @@
-"""`dvc repro` reproduces the smoke profile in a clean copy of the repo, then has nothing to do."""
+"""`dvc repro` reproduces the smoke profile in a clean copy of the repo, then has nothing to do.
+
+Where network namespaces can be made (root, iproute2) it runs on the three-node topology of
+infra/netns-3node.yaml: producers in two inference namespaces stream to the trainer in a third.
+"""
 
 import json
+import re
 
 import pytest
 
@@ -11,14 +16,38 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_dvc_repro_smoke(tmp_path):
+    from dspark.infra import netns
+
     repo = copy_repo(tmp_path / "repo", profile="smoke")
     env = tool_env()
-    first = run([str(BIN / "dvc"), "repro"], repo, env)
+    why = netns.missing()
+    if why:
+        print(f"dvc repro on the local spec: network namespaces unavailable ({why})")
+    else:
+        params = repo / "params.yaml"
+        text = re.sub(
+            r"^  spec: null",
+            "  spec: infra/netns-3node.yaml",
+            params.read_text(),
+            count=1,
+            flags=re.M,
+        )
+        params.write_text(text)
+    try:
+        first = run([str(BIN / "dvc"), "repro"], repo, env, timeout=1200)
+    finally:
+        if not why:
+            run([str(BIN / "dspark"), "provision", "--teardown"], repo, env)
     assert first.returncode == 0, first.stdout + first.stderr
+    if not why:
+        plan = json.loads((repo / "artifacts" / "plan.json").read_text())["placement"]
+        assert [p["netns"] for p in plan["inference_plane"]] == ["dspark-infer-0", "dspark-infer-1"]
+        assert plan["training_plane"][0]["address"] == "10.77.0.20"
+        assert "dspark-train-0" not in netns.existing()
     assert "Running stage 'provision'" in first.stdout and "Running stage 'prepare'" in first.stdout
     status = run([str(BIN / "dvc"), "status"], repo, env)
     assert "Data and pipelines are up to date" in status.stdout
-    again = run([str(BIN / "dvc"), "repro"], repo, env)
+    again = run([str(BIN / "dvc"), "repro"], repo, env)  # nothing runs: no namespaces needed
     assert again.returncode == 0 and "Running stage" not in again.stdout
     metrics = json.loads((repo / "metrics" / "prepare.json").read_text())
     assert metrics["profile"] == "smoke" and metrics["num_samples"] == 8

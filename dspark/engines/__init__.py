@@ -1,0 +1,1 @@
+"""Inference engines that run outside the main venv, driven over HTTP (vLLM)."""

@@ -1,0 +1,1 @@
+"""Cluster specs, placement plans, network namespaces, services and manifests."""

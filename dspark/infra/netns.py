@@ -1,0 +1,121 @@
+"""Network namespaces as nodes: each gets a veth pair into one bridge, an address, loopback.
+
+    root namespace:  bridge (dspark-br0) <- veth host ends (dsv-<node>)
+    node namespace:  veth peer renamed eth0 with the node's address, and lo
+
+Creation is idempotent and undone in reverse; everything needs root and iproute2 (`ip`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from dspark.errors import ResourceError
+from dspark.infra.spec import ClusterSpec, Node
+
+
+def missing() -> str | None:
+    """Why namespaces cannot be made here, or None (probed: root in a container may still lack
+    CAP_SYS_ADMIN or CAP_NET_ADMIN)."""
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    probe = f"dspark-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` failed: {made.stderr.strip() or made.returncode}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and r.returncode != 0:
+        msg = (r.stderr or r.stdout).strip().splitlines()
+        raise ResourceError(f"ip {' '.join(args)}: {msg[0] if msg else f'exit {r.returncode}'}")
+    return r
+
+
+def _host_end(node: Node) -> str:
+    return f"dsv-{node.name}"[:15]  # IFNAMSIZ
+
+
+def bridge_address(spec: ClusterSpec) -> str:
+    """The host's address on the nodes' subnet (its first): services in the root namespace
+    (MLflow, Prefect) are reachable there, and the host reaches the nodes."""
+    net = ipaddress.IPv4Interface(f"{spec.nodes[0].address}/{spec.network.prefix_len}").network
+    return str(next(net.hosts()))
+
+
+def existing() -> set[str]:
+    return {line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()}
+
+
+def up(spec: ClusterSpec) -> None:
+    """Create the bridge, the namespaces and their links (whatever of it is not there yet)."""
+    if spec.kind != "netns":
+        return
+    why = missing()
+    if why:
+        raise ResourceError(f"spec {spec.name}: {why}")
+    net = spec.network
+    if _ip("link", "show", net.bridge, check=False).returncode != 0:
+        _ip("link", "add", net.bridge, "type", "bridge")
+    gateway = f"{bridge_address(spec)}/{net.prefix_len}"
+    if gateway not in _ip("addr", "show", net.bridge).stdout:
+        _ip("addr", "add", gateway, "dev", net.bridge)  # the host's own address on the subnet
+    _ip("link", "set", net.bridge, "up")
+    have = existing()
+    for node in spec.nodes:
+        ns, host = node.netns, _host_end(node)
+        if ns not in have:
+            _ip("netns", "add", ns)
+        if _ip("link", "show", host, check=False).returncode != 0:
+            _ip("link", "add", host, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("link", "set", host, "master", net.bridge)
+        _ip("link", "set", host, "up")
+        addr = f"{node.address}/{net.prefix_len}"
+        if addr not in _ip("-n", ns, "addr", "show", "eth0").stdout:
+            _ip("-n", ns, "addr", "add", addr, "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+
+def down(spec: ClusterSpec) -> None:
+    """Remove what `up` made; absent pieces are fine."""
+    if spec.kind != "netns" or missing():
+        return
+    have = existing()
+    for node in spec.nodes:
+        if node.netns in have:
+            _ip("netns", "del", node.netns, check=False)  # takes its veth end with it
+        _ip("link", "del", _host_end(node), check=False)
+    _ip("link", "del", spec.network.bridge, check=False)
+
+
+def current() -> str | None:
+    """The name of the namespace this process is in, or None for the root one."""
+    try:
+        mine = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return None
+    run = Path("/run/netns")
+    for entry in run.glob("*") if run.is_dir() else []:
+        try:
+            if entry.stat().st_ino == mine:
+                return entry.name
+        except OSError:
+            continue
+    return None
+
+
+def reexec_on(node: Node, argv: list[str]) -> int:
+    """Run this CLI again, with `argv`, inside `node`'s namespace; return its exit code."""
+    cmd = ["ip", "netns", "exec", node.netns, sys.executable, "-m", "dspark", *argv]
+    return subprocess.call(cmd)
