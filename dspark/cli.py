@@ -209,7 +209,7 @@ def _services(args: argparse.Namespace) -> int:
     params = _load(args)
     spec = resolve(params.provision.spec)
     netns.up(spec)  # a master on a node needs the node
-    wanted = services.wanted(spec, Path.cwd(), tracking_uri=params.tracking.mlflow_uri)
+    wanted = services.wanted(spec, tracking_uri=params.tracking.mlflow_uri)
     state = services.up(wanted, args.state, args.state.parent)
     print(json.dumps({k: {"pid": v["pid"], "port": v["port"]} for k, v in state.items()}))
     return 0

@@ -35,7 +35,7 @@ class Service:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def wanted(spec: ClusterSpec, root: Path, *, tracking_uri: str) -> list[Service]:
+def wanted(spec: ClusterSpec, *, tracking_uri: str) -> list[Service]:
     """The services `spec` asks for, bound where they belong (the training node)."""
     trainer = trainer_node(spec)
     host = trainer.address or "127.0.0.1"

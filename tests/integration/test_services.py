@@ -23,7 +23,7 @@ def _spec(**svc):
 
 def test_master_up_status_down(tmp_path):
     state = tmp_path / "state.json"
-    wanted = services.wanted(_spec(mooncake_master=True), tmp_path, tracking_uri="sqlite://")
+    wanted = services.wanted(_spec(mooncake_master=True), tracking_uri="sqlite://")
     assert [s.name for s in wanted] == ["mooncake-master"]
     first = services.up(wanted, state, tmp_path / "logs")
     pid = first["mooncake-master"]["pid"]
@@ -50,10 +50,9 @@ def test_a_service_that_dies_is_reported_and_nothing_is_left(tmp_path):
     assert services.status(state) == {}
 
 
-def test_mlflow_and_prefect_worker_are_planned_when_asked(tmp_path):
+def test_mlflow_and_prefect_worker_are_planned_when_asked():
     wanted = services.wanted(
         _spec(mooncake_master=False, mlflow_port=5055, prefect_pool="p"),
-        tmp_path,
         tracking_uri="sqlite:///mlflow.db",
     )
     by_name = {s.name: s for s in wanted}
