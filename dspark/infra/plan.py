@@ -187,7 +187,7 @@ def plan_cpu(spec: ClusterSpec, params: Params) -> dict:
                 "address": trainer.address,
                 "netns": trainer.netns,
                 "role": "train",
-                "processes": params.train.world_size if hasattr(params.train, "world_size") else 1,
+                "processes": params.train.world_size,
             }
         ],
         "mooncake_master": {

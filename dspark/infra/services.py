@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ from dspark.errors import ResourceError
 from dspark.infra.plan import trainer_node
 from dspark.infra.spec import ClusterSpec
 from dspark.io import write_json
-from dspark.transport.master import free_port, master_binary
+from dspark.transport.master import free_port, listening, master_binary
 
 
 @dataclass
@@ -109,14 +108,6 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _listening(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.3):
-            return True
-    except OSError:
-        return False
-
-
 def read_state(path: Path) -> dict:
     try:
         return json.loads(Path(path).read_text())
@@ -148,7 +139,7 @@ def up(services: list[Service], state_path: Path, logs: Path, timeout: float = 6
         started.append(svc.name)
         write_json(state_path, state)
         deadline = time.monotonic() + timeout
-        while svc.port and not _listening(svc.host, svc.port):
+        while svc.port and not listening(svc.host, svc.port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
                 down(state_path, only=started)
@@ -193,5 +184,5 @@ def status(state_path: Path) -> dict[str, dict]:
     for entry in state.values():
         entry["alive"] = _alive(entry["pid"])
         port = entry.get("port")
-        entry["listening"] = bool(port) and _listening(entry["host"], port)
+        entry["listening"] = bool(port) and listening(entry["host"], port)
     return state

@@ -32,9 +32,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _listening(host: str, port: int) -> bool:
+def listening(host: str, port: int, timeout: float = 0.2) -> bool:
+    """True when something accepts TCP connections on host:port."""
     try:
-        with socket.create_connection((host, port), timeout=0.2):
+        with socket.create_connection((host, port), timeout=timeout):
             return True
     except OSError:
         return False
@@ -81,7 +82,7 @@ class MooncakeMaster:
         )
         master = cls(host, port, metrics_port, proc)
         deadline = time.monotonic() + ready_timeout
-        while not _listening(host, port):
+        while not listening(host, port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 master.stop()
                 raise TransportError(f"mooncake_master did not start on {host}:{port}")
