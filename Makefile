@@ -72,8 +72,12 @@ run: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# Two pytest workers, each taking whole files (module fixtures such as a vLLM server start once):
+# much of the suite waits on subprocesses and servers, so two overlap well even on 2 cores.
+TEST_WORKERS ?= 2
+
 test: setup lint speculators-venv vllm-venv
-	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest; rc=$$?; \
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 clean-env:

@@ -317,6 +317,11 @@ class TrainConfig(Section):
     threads: PosInt | None = Field(
         None, description="torch threads per rank (default: the cores shared over the ranks)"
     )
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="where the drafts train: cpu (ranks joined by gloo) or cuda (a GPU per "
+        "rank, cuda:LOCAL_RANK, ranks joined by NCCL)",
+    )
     seed: int = 0
 
     @field_validator("world_size")

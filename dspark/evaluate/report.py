@@ -65,7 +65,8 @@ def write_plots(result: dict, folder: Path) -> None:
     axes[1].set_xlabel("draft slot")
     axes[1].set_ylabel("P(accepted | earlier slots accepted)")
     axes[1].set_title("per-position acceptance")
-    axes[1].legend()
+    if axes[1].lines:  # the target alone drafts nothing
+        axes[1].legend()
     if curve:
         axes[2].plot(
             [c["predicted"] for c in curve],

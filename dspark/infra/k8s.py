@@ -156,12 +156,14 @@ def _check(spec: ClusterSpec, plan: dict, image: str, namespace: str) -> None:
 
 def pod_params(c: Ctx) -> dict:
     """The params file a pod's `dspark` reads: the run's params with what the spec decides put
-    over them (the spec file, where the target is mounted, the ranks and so the consumers)."""
+    over them (the spec file, where the target is mounted, the ranks, their device and so the
+    consumers)."""
     tree = c.params.model_dump(mode="json")
     world = c.spec.training.world_size
     tree["provision"]["spec"] = f"{CONFIG_DIR}/spec.yaml"
     tree["target"]["model"] = f"{MODELS_DIR}/{c.spec.target.name}"
     tree["train"]["world_size"] = world
+    tree["train"]["device"] = "cuda" if c.spec.training_nodes[0].gpus else "cpu"
     tree["extract"]["consumers"] = world
     build(tree, f"spec {c.spec.name} (the pods' params)")  # e.g. fewer batch rows than ranks
     return {**tree, "profiles": {tree["profile"]: {}}}  # the layout load_params reads

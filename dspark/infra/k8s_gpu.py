@@ -215,5 +215,5 @@ def trainer(c: Ctx) -> list[dict]:
         },
     }
     # two checkpoints of the whole draft state (the last and the one being written)
-    checkpoint = tr["per_gpu"]["draft_state_bytes"] * world
+    checkpoint = tr["per_gpu"]["draft_state_bytes"]  # DDP: each rank holds it all; rank 0 writes
     return [claim(c, "trainer-work", "trainer", gib(max(100 * GIB, 2 * checkpoint))), job]

@@ -3,7 +3,8 @@
 GPU clusters: one target instance is tensor parallel inside a node (NVLink) and pipeline
 parallel across nodes, with the fewest stages whose per-GPU share (weights / (TP x PP), plus
 its KV cache for the longest sample) fits the engine's share of a GPU. The Mooncake segments
-hold the hidden states of the samples in flight; the trainer shards the draft with FSDP.
+hold the hidden states of the samples in flight; every trainer rank holds the whole draft and
+its optimizer state (DDP, as `dspark/train/distributed.py` trains).
 
 CPU kinds (local, netns): each producer loads the whole target; producers go round-robin over
 the inference nodes; the provision stage checks memory and disk against this machine.
@@ -124,7 +125,7 @@ def plan_gpu(spec: ClusterSpec, params: Params) -> dict:
             f"spec {spec.name}: training.world_size: {tr.world_size} ranks but {train_gpus} "
             "training GPUs"
         )
-    draft = (tr.draft_params or 0) * tr.bytes_per_param / tr.world_size  # FSDP: all sharded
+    draft = (tr.draft_params or 0) * tr.bytes_per_param  # DDP: a full replica on every rank
     lm_head = t.vocab_size * t.hidden_size * 2  # frozen bf16 copy: rebuilds target distributions
     train_need = draft + one + lm_head
     train_usable = min(n.gpu_memory_gb for n in trainers) * GB * inf.gpu_memory_utilization

@@ -48,7 +48,7 @@ def plan_table(plan: dict) -> str:
     )
     p = tr["per_gpu"]
     lines.append(
-        f"  train    {', '.join(tr['nodes'])} x{tr['world_size']} ({tr['backend']}, FSDP): "
+        f"  train    {', '.join(tr['nodes'])} x{tr['world_size']} ({tr['backend']}, DDP): "
         f"draft state {_gb(p['draft_state_bytes'])} + sample {_gb(p['sample_bytes'])} + "
         f"lm_head {_gb(p['lm_head_bytes'])} = {_gb(p['total_bytes'])} per GPU"
     )

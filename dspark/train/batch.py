@@ -54,25 +54,26 @@ class TargetHead(nn.Module):
 
 
 def collate(samples: list[Sample], head: TargetHead) -> Batch:
-    """Pad, concatenate aux layers, and attach the target's distributions where supervised."""
+    """Pad, concatenate aux layers, and attach the target's distributions where supervised.
+    The batch is built where the head lives: where the drafts train."""
+    dev = head.draft_ids.device
     b = len(samples)
     s = max(x.num_tokens for x in samples)
     num_aux, _, h = samples[0].aux_hidden.shape
     d = head.draft_ids.numel()
-    input_ids = torch.zeros(b, s, dtype=torch.int64)
-    aux = torch.zeros(b, s, num_aux * h)
-    valid = torch.zeros(b, s, dtype=torch.bool)
-    labels = torch.full((b, s), -1, dtype=torch.int64)
-    p_target = torch.zeros(b, s, d)
+    input_ids = torch.zeros(b, s, dtype=torch.int64, device=dev)
+    aux = torch.zeros(b, s, num_aux * h, device=dev)
+    valid = torch.zeros(b, s, dtype=torch.bool, device=dev)
+    labels = torch.full((b, s), -1, dtype=torch.int64, device=dev)
+    p_target = torch.zeros(b, s, d, device=dev)
     for i, x in enumerate(samples):
         n = x.num_tokens
-        ids = x.input_ids.to(torch.int64)
-        input_ids[i, :n] = ids
-        aux[i, :n] = x.aux_hidden.float().permute(1, 0, 2).reshape(n, num_aux * h)
-        valid[i, : n - 1] = x.loss_mask[1:]
+        input_ids[i, :n] = x.input_ids.to(dev, torch.int64)
+        aux[i, :n] = x.aux_hidden.to(dev, torch.float32).permute(1, 0, 2).reshape(n, num_aux * h)
+        valid[i, : n - 1] = x.loss_mask[1:].to(dev)
         where = valid[i].nonzero()[:, 0]  # only supervised positions need the lm_head
         if where.numel():
-            p_target[i, where] = probs = head.probs(x.last_hidden[where])
+            p_target[i, where] = probs = head.probs(x.last_hidden.to(dev)[where])
             labels[i, where] = probs.argmax(-1)
     return Batch(
         sample_ids=[x.sample_id for x in samples],

@@ -53,9 +53,14 @@ def read_json(path: Path) -> dict:
         raise DataError(f"{path}:{e.lineno}: malformed JSON") from None
 
 
+def host_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous copies in host memory (a model may train on a GPU)."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+
+
 def save_draft(folder: Path, model: nn.Module, draft_ids: torch.Tensor, extra: dict) -> None:
     """Write one draft into `folder` (an existing, empty, temporary folder)."""
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors = host_tensors(model.state_dict())
     tensors["draft_ids"] = draft_ids.to(torch.int64).contiguous()
     save_tensors(folder / WEIGHTS, tensors, metadata={"format": FORMAT})
     write_json(
@@ -130,8 +135,8 @@ def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict
     for group in opt.param_groups:
         for p in group["params"]:
             for key, value in opt.state.get(p, {}).items():
-                out[f"{names[id(p)]}::{key}"] = value.detach().clone().contiguous()
-    return out
+                out[f"{names[id(p)]}::{key}"] = value
+    return host_tensors(out)
 
 
 def load_optimizer(
@@ -146,7 +151,10 @@ def load_optimizer(
             state = by_name.get(names[id(p)])
             if state is None:
                 raise DataError(f"{where}: no optimizer state for {names[id(p)]}")
-            opt.state[p] = {k: v.clone() for k, v in state.items()}
+            # AdamW keeps `step` on the host and its moments beside the parameter.
+            opt.state[p] = {
+                k: v.clone() if k == "step" else v.to(p.device, copy=True) for k, v in state.items()
+            }
 
 
 def save_optimizer(path: Path, opt: torch.optim.Optimizer, names: dict[int, str]) -> None:

@@ -11,7 +11,8 @@ Each rank takes a contiguous slice of each planned batch (sizes differ by at mos
 or streams only those samples, and wraps every draft in DDP. Results do not depend on the world
 size: the losses are normalized by the global batch (`slot_losses`' `total`), so the gradients
 DDP reduces add up to one process's, and a rank replays the anchor draws of the rows lower
-ranks hold. Backend gloo: training runs on the CPU (nccl carries CUDA tensors only).
+ranks hold. The backend follows `train.device`: gloo between CPU ranks, NCCL between GPU ranks
+(one GPU each, cuda:LOCAL_RANK).
 """
 
 from __future__ import annotations
@@ -42,9 +43,38 @@ if TYPE_CHECKING:
     from dspark.config import Params
     from dspark.train.stage import TrainPaths
 
-BACKEND = "gloo"
+CPU = torch.device("cpu")
 HOST = "127.0.0.1"  # every rank runs on this machine
 START_TIMEOUT = timedelta(seconds=180)  # a rank's imports on a loaded 2-core machine
+
+
+def backend(device: str) -> str:
+    """The collectives' library for `train.device`: gloo moves CPU tensors, NCCL CUDA ones."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def check_gpus(device: str, local_ranks: int) -> None:
+    """`local_ranks` ranks on this node can each have a GPU of their own (when on cuda)."""
+    if device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise errors.ResourceError("train.device: cuda, but torch sees no GPU on this machine")
+    if local_ranks > torch.cuda.device_count():
+        raise errors.ResourceError(
+            f"train.device: cuda: {local_ranks} ranks on this node need a GPU each, and it has "
+            f"{torch.cuda.device_count()}"
+        )
+
+
+def rank_device(device: str, local_rank: int = 0) -> torch.device:
+    """Where this rank trains: the CPU, or its own GPU (cuda:LOCAL_RANK), made current so that
+    NCCL's object collectives run there."""
+    if device == "cpu":
+        return CPU
+    check_gpus(device, local_rank + 1)
+    here = torch.device("cuda", local_rank)
+    torch.cuda.set_device(here)
+    return here
 
 
 @dataclass(frozen=True)
@@ -53,6 +83,7 @@ class Ranks:
 
     rank: int
     world: int
+    device: torch.device = CPU  # where the collectives' tensors must live
 
     @property
     def leader(self) -> bool:
@@ -65,9 +96,10 @@ class Ranks:
         return ids[self.rank * n // self.world : (self.rank + 1) * n // self.world]
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        out = t.detach().clone()
+        """`t` summed over the ranks, on `t`'s device (reduced on the backend's)."""
+        out = t.detach().to(self.device, copy=True)
         dist.all_reduce(out)
-        return out
+        return out.to(t.device)
 
     def gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world
@@ -107,7 +139,7 @@ class Part:
         m, k = len(names), stats.k
         flat = torch.cat(
             (
-                torch.stack([losses[n].double() for n in names]),
+                torch.stack([losses[n].double().cpu() for n in names]),
                 stats.accept_sum,
                 stats.slot_count,
                 torch.tensor([stats.tau_sum, stats.blocks], dtype=torch.float64),
@@ -132,10 +164,14 @@ class _Objective(nn.Module):
         return self.objective(self.model, batch, gen)
 
 
-def data_parallel(model: nn.Module, objective: Callable) -> nn.Module:
+def data_parallel(model: nn.Module, objective: Callable, device: torch.device) -> nn.Module:
     """(batch, generator) -> the objective's dict, with the gradients averaged over the ranks
     on backward. Buffers are constants (identical on every rank): no broadcast per forward."""
-    return DistributedDataParallel(_Objective(model, objective), forward_sync_buffers=False)
+    return DistributedDataParallel(
+        _Objective(model, objective),
+        device_ids=[device.index] if device.type == "cuda" else None,
+        forward_sync_buffers=False,
+    )
 
 
 # --- launch --------------------------------------------------------------------------------------
@@ -155,9 +191,12 @@ def join_launcher(params: Params) -> Iterator[Ranks]:
         raise errors.ConfigError(
             f"train.world_size: {params.train.world_size}, but the launcher started {world} ranks"
         )
-    dist.init_process_group(BACKEND, init_method="env://", timeout=START_TIMEOUT * 10)
+    device = rank_device(params.train.device, int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(
+        backend(params.train.device), init_method="env://", timeout=START_TIMEOUT * 10
+    )
     try:
-        yield Ranks(int(os.environ["RANK"]), world)
+        yield Ranks(int(os.environ["RANK"]), world, device)
     finally:
         dist.destroy_process_group()
 
@@ -173,6 +212,7 @@ def spawn_ranks(params: Params, paths: TrainPaths) -> Iterator[Ranks]:
 
     A rank's dspark error comes back as its own type, naming the rank."""
     world = params.train.world_size
+    check_gpus(params.train.device, world)  # before any rank starts, not in a hung collective
     store = dist.TCPStore(HOST, 0, world, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="dspark-ranks-") as tmp:
         job = Path(tmp) / "job.json"
@@ -181,8 +221,11 @@ def spawn_ranks(params: Params, paths: TrainPaths) -> Iterator[Ranks]:
         procs = {r: _start(r, world, store.port, job) for r in range(1, world)}
         try:
             _wait_ready(store, procs, job)
-            dist.init_process_group(BACKEND, store=store, rank=0, world_size=world)
-            yield Ranks(0, world)
+            device = rank_device(params.train.device, 0)
+            dist.init_process_group(
+                backend(params.train.device), store=store, rank=0, world_size=world
+            )
+            yield Ranks(0, world, device)
             for r, proc in procs.items():
                 if proc.wait(120) != 0:
                     raise _failure(r, proc, job)
@@ -261,21 +304,24 @@ def main(argv: list[str] | None = None) -> int:
     job = Path((sys.argv[1:] if argv is None else argv)[0])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    doc = json.loads(job.read_text())
+    params = Params.model_validate(doc["params"])
+    paths = TrainPaths(**{k: None if v is None else Path(v) for k, v in doc["paths"].items()})
     store = dist.TCPStore(host, port, world, is_master=False, timeout=START_TIMEOUT)
     store.set(f"ready/{rank}", "1")
-    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=world)
-    doc = json.loads(job.read_text())
-    paths = TrainPaths(**{k: None if v is None else Path(v) for k, v in doc["paths"].items()})
     try:
-        train_rank(
-            Params.model_validate(doc["params"]), paths, progress=False, ranks=Ranks(rank, world)
+        device = rank_device(params.train.device, int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(
+            backend(params.train.device), store=store, rank=rank, world_size=world
         )
+        train_rank(params, paths, progress=False, ranks=Ranks(rank, world, device))
     except errors.DsparkError as e:
         error = {"kind": type(e).__name__, "message": str(e)}
         job.with_name(f"rank-{rank}.error").write_text(json.dumps(error))
         return 2
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -118,7 +118,7 @@ class AcceptanceStats:
         self.slot_count = torch.zeros(self.k, dtype=torch.float64)
 
     def add(self, accept: torch.Tensor, mask: torch.Tensor) -> None:
-        accept, mask = accept.detach().double(), mask.detach()
+        accept, mask = accept.detach().double().cpu(), mask.detach().cpu()
         self.accept_sum += (accept * mask).sum(0)
         self.slot_count += mask.sum(0)
         full = mask.all(-1)  # tau_sim only over blocks supervised in every slot

@@ -39,12 +39,12 @@ def pick_anchors(
     for row in cand:
         idx = row.nonzero()[:, 0]
         if max_anchors is not None and idx.numel() > max_anchors:
-            keep = torch.randperm(idx.numel(), generator=gen)[:max_anchors]
-            idx = idx[keep].sort().values
+            keep = torch.randperm(idx.numel(), generator=gen)[:max_anchors]  # drawn on the host
+            idx = idx[keep.to(idx.device)].sort().values
         rows.append(idx)
     width = max(1, max(r.numel() for r in rows))
-    anchors = torch.zeros(len(rows), width, dtype=torch.int64)
-    ok = torch.zeros(len(rows), width, dtype=torch.bool)
+    anchors = torch.zeros(len(rows), width, dtype=torch.int64, device=cand.device)
+    ok = torch.zeros(len(rows), width, dtype=torch.bool, device=cand.device)
     for i, idx in enumerate(rows):
         anchors[i, : idx.numel()] = idx
         ok[i, : idx.numel()] = True
@@ -65,10 +65,10 @@ def gather_slots(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, k: int):
     """Per slot (anchor a, slot j -> position p_a + j): target probs, labels and validity,
     flattened to [N, K, ...] over the valid anchors only."""
     s = batch.input_ids.shape[1]
-    pos = anchors[:, :, None] + torch.arange(k)  # [B, A, K]
+    pos = anchors[:, :, None] + torch.arange(k, device=anchors.device)  # [B, A, K]
     inside = pos < s
     pos = pos.clamp_max(s - 1)
-    rows = torch.arange(anchors.shape[0])[:, None, None]
+    rows = torch.arange(anchors.shape[0], device=anchors.device)[:, None, None]
     valid = batch.valid[rows, pos] & inside & ok[:, :, None]
     return batch.p_target[rows, pos][ok], batch.labels[rows, pos][ok], valid[ok]
 

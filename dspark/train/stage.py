@@ -34,7 +34,14 @@ from dspark.models.target import Target, load_target, read_manifest, set_threads
 from dspark.models.vocab import build_draft_ids, count_tokens
 from dspark.train.batch import TargetHead
 from dspark.train.checkpoint import save_draft
-from dspark.train.distributed import Ranks, join_launcher, spawn_ranks, under_launcher
+from dspark.train.distributed import (
+    CPU,
+    Ranks,
+    join_launcher,
+    rank_device,
+    spawn_ranks,
+    under_launcher,
+)
 from dspark.train.losses import LossWeights
 from dspark.train.objectives import DSparkObjective, Eagle3Objective
 from dspark.train.sources import open_source, split_eval
@@ -75,8 +82,14 @@ def resolve_mask_token(requested: int | None, target: Target, counts: torch.Tens
 
 
 def build_runs(
-    params: Params, target: Target, draft_ids: torch.Tensor, aux_layers: list[int], mask_id: int
+    params: Params,
+    target: Target,
+    draft_ids: torch.Tensor,
+    aux_layers: list[int],
+    mask_id: int,
+    device: torch.device = CPU,
 ) -> list[DraftRun]:
+    """The drafts to train, initialized alike (seeded), on `device`."""
     t = params.train
     shape = LayerShape.from_hf(target.model.config.to_dict())
     embed = target.embed
@@ -105,6 +118,7 @@ def build_runs(
         model = DSparkDraft(cfg, embed, rows)
         with torch.no_grad():
             model.norm.weight.copy_(target.norm.weight)
+        model.to(device)
         runs.append(
             DraftRun(
                 name=name,
@@ -144,6 +158,7 @@ def build_runs(
         model = Eagle3Draft(cfg, embed)
         model.init_from_target(target.norm, target.lm_head, draft_ids)
         model.lm_head.requires_grad_(False)  # frozen, as speculators and DSpark keep it
+        model.to(device)
         weights = LossWeights(ce=0.0, tv=0.0, kl=1.0, gamma=None, decay=e.loss_decay)
         runs.append(
             DraftRun(
@@ -189,8 +204,9 @@ def train_rank(
     draft_ids = build_draft_ids(counts, t.draft_vocab_size, always=[target.eos_token_id])
     mask_id = resolve_mask_token(t.dspark.mask_token_id, target, counts)
     aux = resolve_aux_layers(params.extract.aux_layers, target.num_layers)
-    runs = build_runs(params, target, draft_ids, aux, mask_id)
-    head = TargetHead(target.norm, target.lm_head, draft_ids)
+    device = ranks.device if ranks else rank_device(t.device)
+    runs = build_runs(params, target, draft_ids, aux, mask_id, device)
+    head = TargetHead(target.norm, target.lm_head, draft_ids).to(device)  # batches form there
     online = params.extract.mode == "online"
 
     # Everything DVC would rerun this stage for: a checkpoint with another fingerprint is

@@ -79,7 +79,7 @@ class DraftRun:
     def data_parallel(self, ranks: Ranks) -> None:
         """Train as one of `ranks`, each normalizing its loss by the global batch."""
         self.objective = replace(self.objective, total=ranks.sum)
-        self.parallel = data_parallel(self.model, self.objective)
+        self.parallel = data_parallel(self.model, self.objective, ranks.device)
 
     def step(
         self,
@@ -301,7 +301,7 @@ class Trainer:
             return
         with atomic_dir(self.checkpoint_dir) as tmp:
             for run in self.runs:
-                tensors = {k: v.detach().contiguous() for k, v in run.model.state_dict().items()}
+                tensors = ckpt.host_tensors(run.model.state_dict())
                 ckpt.save_tensors(tmp / f"{run.name}.safetensors", tensors)
                 ckpt.save_optimizer(tmp / f"{run.name}.optim.safetensors", run.optimizer, run.names)
             write_json(

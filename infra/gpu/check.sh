@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check: vLLM hidden-state extraction over Mooncake, then vLLM serving our DSpark draft under
-# our load client. One GPU, no network: everything comes from the working tree (README.md here).
+# GPU check: our trainer on CUDA (and NCCL ranks), then vLLM hidden-state extraction over
+# Mooncake, then vLLM serving our DSpark draft under our load client. No network: everything
+# comes from the working tree (README.md here).
 # Exit: 0 pass, 1 a check failed, 2 inputs missing or no GPU, 3 vLLM not importable, 124 timeout.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
@@ -18,14 +19,20 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 fi
 
-# Up front, in one line: without vLLM there is nothing to check.
+# Up front, in one line: without vLLM only the trainer can be checked.
+vllm=1
 if ! timeout 90 "$PY" -c "import vllm" >/dev/null 2>&1; then
   echo "gpu-check: FAIL vLLM is not importable here and cannot be installed: no network, and" \
     "vllm 0.33.0 (336 MB) pins torch 2.14.0 (555 MB) against a 64 MiB carry; see infra/gpu/README.md"
-  exit 3
+  vllm=0
 fi
 
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# The trainer needs torch alone (plus pydantic, pyyaml, safetensors, tqdm): about a minute.
+timeout -k 10 150 "$PY" infra/gpu/train_check.py --out "$OUT"
+train=$?
+[ $train -eq 124 ] && echo "gpu-check: FAIL train timed out after 150 s"
+if [ $vllm -eq 0 ]; then exit 3; fi
 # What is left of TOTAL: the driver's own deadline, 15 s short of this backstop.
 left=$((TOTAL - SECONDS))
 if [ "$left" -lt 120 ]; then
@@ -34,4 +41,5 @@ fi
 timeout -k 10 "$left" "$PY" infra/gpu/check.py --out "$OUT" --budget $((left - 15)) "$@"
 rc=$?
 [ $rc -eq 124 ] && echo "gpu-check: FAIL timed out after ${TOTAL} s (see $OUT/*.log)"
+if [ $rc -eq 0 ] && [ $train -ne 0 ]; then rc=1; fi
 exit $rc

@@ -23,12 +23,12 @@ from safetensors.torch import load_file, save_file
 
 from dspark.config import Params, check_ranks, load_params
 from dspark.data.shards import TokenSample, write_manifest, write_shard
-from dspark.errors import ConfigError, DataError
+from dspark.errors import ConfigError, DataError, ResourceError
 from dspark.extract.capture import HiddenStateCapture, resolve_aux_layers
 from dspark.models.target import load_target
 from dspark.models.vocab import build_draft_ids, count_tokens
 from dspark.train.batch import TargetHead
-from dspark.train.distributed import Ranks
+from dspark.train.distributed import Ranks, backend, rank_device
 from dspark.train.sources import HiddenShards, Source, epoch_plan
 from dspark.train.stage import TrainPaths, build_runs, train
 from dspark.train.trainer import Trainer
@@ -215,6 +215,23 @@ def test_online_world_size_must_match_the_stream_consumers(tmp_path):
     check_ranks(smoke("train.world_size=2").train, smoke().extract)  # offline: any consumers
     with pytest.raises(ConfigError, match=r"train\.world_size: .*a rank would never get a sample"):
         smoke("train.world_size=8")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a refusal without a GPU")
+def test_cuda_without_a_gpu_is_refused_before_any_rank_starts(tiny_target_dir, data, tmp_path):
+    """NCCL between GPU ranks is the cuda path (infra/gpu/check.sh runs it); on a machine
+    without one, the stage says so in one line, with no rank started and nothing written."""
+    assert (backend("cpu"), backend("cuda")) == ("gloo", "nccl")
+    assert rank_device("cpu", 3) == torch.device("cpu")
+    with pytest.raises(ResourceError, match=r"^train\.device: cuda, but torch sees no GPU"):
+        rank_device("cuda")
+    for world in (1, 2):
+        paths = stage_paths(tiny_target_dir, data, tmp_path / str(world))
+        with pytest.raises(ResourceError, match=r"^train\.device: cuda"):
+            train(smoke("train.device=cuda", f"train.world_size={world}"), paths)
+        assert not paths.drafts.exists() and not paths.checkpoint.exists()
+    with pytest.raises(ConfigError, match=r"train\.device"):
+        smoke("train.device=tpu")
 
 
 @pytest.mark.slow

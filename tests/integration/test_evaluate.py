@@ -103,8 +103,14 @@ def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
     other = evaluate(params("evaluate.max_new_tokens.writing=10"), paths)
     writing = sum(k.startswith("w|") for k in map(lambda ln: ln.split('"')[3], lines))
     assert other["resumed_decodes"] == len(lines) - writing
-    # ... while what decides every decode (here the sampling temperature) starts afresh.
-    hotter = evaluate(params("evaluate.temperature=0.9"), paths)
+    # ... while what decides every decode (here the sampling temperature) starts afresh: the
+    # old record goes, even for a selection that decodes far less (one method, one prompt).
+    hotter = evaluate(
+        params(
+            "evaluate.temperature=0.9", "evaluate.methods=[none]", "evaluate.prompts_per_category=1"
+        ),
+        paths,
+    )
     assert hotter["resumed_decodes"] == 0 and len(list((tmp_path / "records").glob("*"))) == 1
 
 

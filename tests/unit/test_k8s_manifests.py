@@ -219,6 +219,7 @@ def test_config_map_holds_loadable_params_and_spec(objs, spec, tmp_path):
     (tmp_path / "params.yaml").write_text(data["params.yaml"])
     pod = load_params(tmp_path / "params.yaml")
     assert pod.train.world_size == pod.extract.consumers == 4
+    assert pod.train.device == "cuda"  # the trainer node has GPUs: NCCL between its ranks
     assert pod.provision.spec == "/etc/dspark/spec.yaml"
     assert pod.target.model == "/models/Kimi-K3"
     (tmp_path / "spec.yaml").write_text(data["spec.yaml"])
