@@ -92,7 +92,8 @@ def build_runs(
     """The drafts to train, initialized alike (seeded), on `device`."""
     t = params.train
     shape = LayerShape.from_hf(target.model.config.to_dict())
-    embed = target.embed
+    # The drafts borrow the target's embedding outside their module tree: `.to` would miss it.
+    embed = target.embed.to(device)
     rows = target.lm_head.weight.detach()[draft_ids].clone()
     d = t.dspark
     base = DSparkConfig(

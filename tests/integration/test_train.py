@@ -287,3 +287,26 @@ def test_the_markov_ablation_trains_every_variant_beside_the_main_drafts(
     assert set(out["markov_ablation"]) == {"vanilla", "gated", "rnn", "rank0"}
     assert out["markov_ablation"]["rank0"]["tau_sim"] == 1.8
     assert out["goal"]["eagle3_final_tau_sim"] == 1.9 and out["goal"]["met"] is False
+
+
+def test_every_draft_tensor_lands_on_the_training_device(tiny_target_dir, smoke_params):
+    """What `train.device` moves: each draft's weights, buffers and the target embedding it
+    borrows outside its module tree. The meta device stands in for a GPU here."""
+    from dspark.models.target import load_target
+
+    target = load_target(tiny_target_dir)  # its modules move: not the shared fixture
+    params = tiny_params(smoke_params, markov_ablation=True)
+    draft_ids = torch.arange(256)
+    meta = torch.device("meta")
+    runs = build_runs(params, target, draft_ids, [0, 1], mask_id=3, device=meta)
+    assert {r.name for r in runs} == {
+        "dspark",
+        "dspark_gated",
+        "dspark_rnn",
+        "dspark_rank0",
+        "eagle3",
+    }
+    for run in runs:
+        tensors = [*run.model.parameters(), *run.model.buffers(), run.model.embed.weight]
+        assert {t.device for t in tensors} == {meta}, run.name
+        assert all(p.device == meta for p in run.optimizer.param_groups[0]["params"]), run.name
