@@ -17,6 +17,7 @@ ranks hold. The backend follows `train.device`: gloo between CPU ranks, NCCL bet
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -46,6 +47,17 @@ if TYPE_CHECKING:
 CPU = torch.device("cpu")
 HOST = "127.0.0.1"  # every rank runs on this machine
 START_TIMEOUT = timedelta(seconds=180)  # a rank's imports on a loaded 2-core machine
+# How long a rank waits in a collective while rank 0 works alone (evaluating, checkpointing,
+# starting the stream): NCCL's own default is 10 minutes.
+GROUP_TIMEOUT = START_TIMEOUT * 10
+# torch 2.13 renamed DDP's broadcast_buffers (deprecated there) to forward_sync_buffers; a GPU
+# image may carry an older torch.
+_DDP_PARAMS = inspect.signature(DistributedDataParallel.__init__).parameters
+NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in _DDP_PARAMS
+    else {"broadcast_buffers": False}
+)
 
 
 def backend(device: str) -> str:
@@ -170,7 +182,7 @@ def data_parallel(model: nn.Module, objective: Callable, device: torch.device) -
     return DistributedDataParallel(
         _Objective(model, objective),
         device_ids=[device.index] if device.type == "cuda" else None,
-        forward_sync_buffers=False,
+        **NO_BUFFER_SYNC,
     )
 
 
@@ -193,7 +205,7 @@ def join_launcher(params: Params) -> Iterator[Ranks]:
         )
     device = rank_device(params.train.device, int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(
-        backend(params.train.device), init_method="env://", timeout=START_TIMEOUT * 10
+        backend(params.train.device), init_method="env://", timeout=GROUP_TIMEOUT
     )
     try:
         yield Ranks(int(os.environ["RANK"]), world, device)
@@ -223,7 +235,11 @@ def spawn_ranks(params: Params, paths: TrainPaths) -> Iterator[Ranks]:
             _wait_ready(store, procs, job)
             device = rank_device(params.train.device, 0)
             dist.init_process_group(
-                backend(params.train.device), store=store, rank=0, world_size=world
+                backend(params.train.device),
+                store=store,
+                rank=0,
+                world_size=world,
+                timeout=GROUP_TIMEOUT,
             )
             yield Ranks(0, world, device)
             for r, proc in procs.items():
@@ -312,7 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = rank_device(params.train.device, int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(
-            backend(params.train.device), store=store, rank=rank, world_size=world
+            backend(params.train.device),
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=GROUP_TIMEOUT,
         )
         train_rank(params, paths, progress=False, ranks=Ranks(rank, world, device))
     except errors.DsparkError as e:

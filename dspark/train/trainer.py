@@ -51,6 +51,13 @@ def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def settle(device: torch.device) -> None:
+    """Wait for the work queued on `device`, so that a timer read next counts it (CUDA runs
+    asynchronously: unsettled, one draft's optimizer step would be timed as the next's)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @dataclass
 class DraftRun:
     """One draft in training: its model, objective, optimizer and record."""
@@ -124,6 +131,7 @@ class DraftRun:
         clip = self.optim.grad_clip if self.optim.grad_clip is not None else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
         self.optimizer.step()
+        settle(self.params[0].device)
         spent = time.perf_counter() - t0 + prep_s
         self.wall_s += spent
         metrics = {k: float(v) for k, v in losses.items()}
@@ -257,6 +265,7 @@ class Trainer:
         # A rank with no share of a short last batch still takes part in the step's
         # all-reduces, on a blank sample with nothing supervised: it adds nothing.
         batch = collate(samples or [self._blank()], self.head)
+        settle(self.head.draft_ids.device)
         prep = time.perf_counter() - t0
         part, tokens = None, batch.tokens
         if self.ranks is not None:
