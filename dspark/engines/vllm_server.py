@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from dspark import procs
 from dspark.errors import DsparkError
 
 VENV_DIR = ".venv-vllm"
@@ -212,13 +213,7 @@ class VllmServer:
         if self.proc is None:
             return
         kids = _descendants(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        procs.stop([self.proc], grace=STOP_TIMEOUT_S)
         for pid in kids:  # an engine process its killed parent could not stop
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)

@@ -12,7 +12,6 @@ writes hidden-state shards, `hybrid` streams and caches.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from dspark.infra.plan import consumer_host, trainer_node
 from dspark.infra.plan import producers as place_producers
 from dspark.infra.spec import resolve as resolve_spec
 from dspark.metrics import EventLog
+from dspark.procs import stop as stop_procs
 from dspark.schema import Sample
 from dspark.transport.control import Coordinator
 from dspark.transport.files import HiddenShardWriter
@@ -186,17 +186,7 @@ def _stop_all(coordinators: list[Coordinator], procs: list[subprocess.Popen]) ->
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            with suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+    stop_procs(procs, grace=15)
 
 
 def extract(

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from dspark import procs
 from dspark.config import Params
 from dspark.data.prompts import read_prompt_file
 from dspark.errors import DataError
@@ -121,13 +122,7 @@ class EndpointProcess:
         return httpx.get(f"{self.url}/v1/dspark/stats", timeout=10.0).json()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        procs.stop([self.proc], grace=30)
         self._log.close()
 
     def __enter__(self) -> EndpointProcess:

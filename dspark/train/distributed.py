@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dspark import errors
+from dspark.procs import stop as stop_procs
 from dspark.train.losses import AcceptanceStats
 
 if TYPE_CHECKING:
@@ -247,7 +248,7 @@ def spawn_ranks(params: Params, paths: TrainPaths) -> Iterator[Ranks]:
                     raise _failure(r, proc, job)
         except BaseException as e:
             # Stop the others while the group is up: one that saw it close would report that.
-            _stop(procs.values())
+            stop_procs(procs.values())
             stopped = (0, -signal.SIGTERM, -signal.SIGKILL)
             failed = [_failure(r, p, job) for r, p in procs.items() if p.returncode not in stopped]
             # A rank's own error is the cause of a collective that broke under rank 0.
@@ -284,18 +285,6 @@ def _wait_ready(store: dist.TCPStore, procs: dict[int, subprocess.Popen], job: P
             if time.monotonic() > deadline:
                 raise RankFailed(f"train rank {r} did not start within {START_TIMEOUT}")
             time.sleep(0.1)
-
-
-def _stop(procs) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
 
 
 def _failure(rank: int, proc: subprocess.Popen, job: Path) -> Exception:

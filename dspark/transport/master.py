@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark import procs
 from dspark.transport.control import warn_if_exposed
 from dspark.transport.stores import TransportError
 
@@ -90,13 +89,7 @@ class MooncakeMaster:
         return master
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(5)
+        procs.stop([self.process], group=True)
 
     def __enter__(self) -> MooncakeMaster:
         return self

@@ -2,6 +2,7 @@
 category losslessly, the n-gram sweep picks a window, sampling and calibration are reported,
 lm-eval scores both methods identically, and bad prompt files fail in one line."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from dspark.config import load_params
 from dspark.errors import DataError
 from dspark.evaluate.stage import EvalPaths, evaluate
 from dspark.io import atomic_dir
+from dspark.models.dspark import DSparkDraft
 from dspark.train.checkpoint import save_draft
 from tests.conftest import ROOT
 from tests.unit.test_spec_decode import tiny_drafts
@@ -164,3 +166,44 @@ def test_long_context_prompts_fit_with_their_chat_template(tiny_target):
     dec = SpecDecoder(None, NgramProposer(block), 0, tiny_target.max_context)
     assert len(ids) > n  # the template adds tokens the text's count does not see
     dec.check_fits(len(ids), p.evaluate.max_new_tokens["long_context"], block)
+
+
+def test_the_markov_ablation_decodes_beside_dspark(tiny_target, tiny_target_dir, tmp_path):
+    """What the full profile's evaluate does with train.markov_ablation's drafts: each variant
+    decodes every prompt losslessly and is reported beside vanilla DSpark."""
+    (dspark, ids), _ = tiny_drafts(tiny_target)
+    folder = tmp_path / "drafts"
+    variants = {"dspark_gated": {"markov_head": "gated"}, "dspark_rnn": {"markov_head": "rnn"}}
+    variants["dspark_rank0"] = {"markov_rank": 0, "confidence_with_markov": False}
+    for name, change in {"dspark": {}, **variants}.items():
+        torch.manual_seed(1)
+        cfg = dataclasses.replace(dspark.cfg, **change)
+        model = DSparkDraft(cfg, tiny_target.embed, dspark.lm_head.weight.detach())
+        with atomic_dir(folder / name) as tmp:
+            save_draft(tmp, model, ids, {})
+    paths = EvalPaths(
+        target=tiny_target_dir,
+        drafts=folder,
+        prompts=write_prompts(tmp_path / "p.jsonl", PROMPTS[:1] + PROMPTS[2:3]),
+        plots=tmp_path / "plots",
+        report=tmp_path / "report.md",
+        records=tmp_path / "records",
+    )
+    result = evaluate(
+        params(
+            "evaluate.methods=[dspark,none]",
+            "evaluate.prompts_per_category=1",
+            "evaluate.sampling_prompts_per_category=0",
+            "evaluate.lm_eval.limit=0",
+        ),
+        paths,
+    )
+    abl = result["markov_ablation"]
+    assert set(abl) == {"vanilla", "gated", "rnn", "rank0"}
+    assert abl["vanilla"]["mean_tau"] == result["mean"]["dspark"]
+    for variant in ("gated", "rnn", "rank0"):
+        assert set(abl[variant]["categories"]) == {"math_reasoning", "writing"}
+        assert abl[variant]["mean_tau"] >= 1.0
+    # 2 prompts x (dspark, none and the three variants), each checked against transformers
+    assert result["lossless_mismatches"] == 0 and result["lossless"]["checked"] == 2 * 5
+    assert "Markov ablation" in paths.report.read_text()
