@@ -11,8 +11,11 @@ PROFILE ?= default
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
+# Independent prerequisites build side by side: `make test`'s three venvs (mostly downloads and
+# unpacking) and the apt package. One make schedules them all, so no two jobs write one venv.
+MAKEFLAGS += -j3
 
-.PHONY: setup run test lint system-deps clean-env speculators-venv vllm-venv venvs
+.PHONY: setup run test lint system-deps clean-env speculators-venv vllm-venv
 
 setup: system-deps $(STAMP)
 
@@ -83,14 +86,7 @@ lint: setup
 # first, which left the whole-chain test (minutes, two tests) to start last and run alone.
 TEST_WORKERS ?= 2
 
-# The test command's three venvs, built side by side (each is mostly downloads and unpacking).
-# One make builds them all, so no two jobs ever write the same venv.
-venvs:
-	@$(MAKE) --no-print-directory -j3 --output-sync=target system-deps $(STAMP) $(SPEC_STAMP) \
-	  $(VLLM_STAMP)
-
-test: venvs
-	$(VENV)/bin/ruff check .
+test: lint speculators-venv vllm-venv
 	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from dspark import procs
+from dspark.procs import stop_processes
 
 GRACE_S = 10.0
 PR_SET_PDEATHSIG = 1
@@ -72,7 +72,7 @@ def run(
         proc.wait()
     finally:
         stop.set()
-        procs.stop([proc], grace=GRACE_S, group=True)
+        stop_processes([proc], grace=GRACE_S, group=True)
         if ticker:
             ticker.join(timeout=every_s + 1)
     if every:

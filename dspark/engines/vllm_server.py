@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from dspark import procs
 from dspark.errors import DsparkError
+from dspark.procs import stop_processes
 
 VENV_DIR = ".venv-vllm"
 SERVED_NAME = "target"  # the name requests give as `model`
@@ -213,7 +213,7 @@ class VllmServer:
         if self.proc is None:
             return
         kids = _descendants(self.proc.pid)
-        procs.stop([self.proc], grace=STOP_TIMEOUT_S)
+        stop_processes([self.proc], grace=STOP_TIMEOUT_S)
         for pid in kids:  # an engine process its killed parent could not stop
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)

@@ -34,7 +34,7 @@ from dspark.infra.plan import consumer_host, trainer_node
 from dspark.infra.plan import producers as place_producers
 from dspark.infra.spec import resolve as resolve_spec
 from dspark.metrics import EventLog
-from dspark.procs import stop as stop_procs
+from dspark.procs import stop_processes
 from dspark.schema import Sample
 from dspark.transport.control import Coordinator
 from dspark.transport.files import HiddenShardWriter
@@ -186,7 +186,7 @@ def _stop_all(coordinators: list[Coordinator], procs: list[subprocess.Popen]) ->
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.05)
-    stop_procs(procs, grace=15)
+    stop_processes(procs, grace=15)
 
 
 def extract(

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import httpx
 
-from dspark import procs
 from dspark.config import Params
 from dspark.data.prompts import read_prompt_file
 from dspark.errors import DataError
 from dspark.io import write_json
+from dspark.procs import stop_processes
 from dspark.serve import report
 from dspark.serve.client import summarize
 from dspark.serve.vllm_mode import MODE as VLLM_MODE
@@ -122,7 +122,7 @@ class EndpointProcess:
         return httpx.get(f"{self.url}/v1/dspark/stats", timeout=10.0).json()
 
     def stop(self) -> None:
-        procs.stop([self.proc], grace=30)
+        stop_processes([self.proc], grace=30)
         self._log.close()
 
     def __enter__(self) -> EndpointProcess:

@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dspark import errors
-from dspark.procs import stop as stop_procs
+from dspark.procs import stop_processes
 from dspark.train.losses import AcceptanceStats
 
 if TYPE_CHECKING:
@@ -248,7 +248,7 @@ def spawn_ranks(params: Params, paths: TrainPaths) -> Iterator[Ranks]:
                     raise _failure(r, proc, job)
         except BaseException as e:
             # Stop the others while the group is up: one that saw it close would report that.
-            stop_procs(procs.values())
+            stop_processes(procs.values())
             stopped = (0, -signal.SIGTERM, -signal.SIGKILL)
             failed = [_failure(r, p, job) for r, p in procs.items() if p.returncode not in stopped]
             # A rank's own error is the cause of a collective that broke under rank 0.

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark import procs
+from dspark.procs import stop_processes
 from dspark.transport.control import warn_if_exposed
 from dspark.transport.stores import TransportError
 
@@ -89,7 +89,7 @@ class MooncakeMaster:
         return master
 
     def stop(self) -> None:
-        procs.stop([self.process], group=True)
+        stop_processes([self.process], group=True)
 
     def __enter__(self) -> MooncakeMaster:
         return self

@@ -1,4 +1,5 @@
-"""dspark.procs.stop: ask, then force; stopped processes resumed; groups ended whole."""
+"""dspark.procs.stop_processes: ask, then force; stopped processes resumed; one grace period
+for all; groups ended whole."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from dspark import procs
+from dspark.procs import stop_processes
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 # Ignores SIGTERM, then says it is ready (so the test does not race its handler's install).
@@ -18,7 +19,7 @@ STUBBORN = [
     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
     " print('ready', flush=True); time.sleep(60)",
 ]
-# Cleans up on SIGTERM (exits 3), as the producers and ranks do.
+# Cleans up on SIGTERM (exits 3), as our endpoint servers do.
 CLEANS_UP = [
     sys.executable,
     "-c",
@@ -44,7 +45,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_running_process_ends_on_sigterm():
     p = subprocess.Popen(SLEEP)
-    procs.stop([p], grace=5)
+    stop_processes([p], grace=5)
     assert p.returncode == -signal.SIGTERM
 
 
@@ -52,39 +53,68 @@ def test_a_stopped_process_is_resumed_so_its_sigterm_handler_runs():
     # A fatal SIGTERM ends even a stopped process; a handled one waits for SIGCONT.
     p = _ready(subprocess.Popen(CLEANS_UP, stdout=subprocess.PIPE, text=True))
     os.kill(p.pid, signal.SIGSTOP)
-    procs.stop([p], grace=5)
+    stop_processes([p], grace=5)
     assert p.returncode == 3  # its handler ran: not killed after the grace period
 
 
 def test_one_that_ignores_sigterm_is_killed_and_the_others_end_politely():
     stubborn = _ready(subprocess.Popen(STUBBORN, stdout=subprocess.PIPE, text=True))
     polite = subprocess.Popen(SLEEP)
-    procs.stop([stubborn, polite], grace=0.5)
+    assert stop_processes([stubborn, polite], grace=2) == []
     assert stubborn.returncode == -signal.SIGKILL
     assert polite.returncode == -signal.SIGTERM
+
+
+def test_the_grace_period_is_shared_not_one_each():
+    stubborn = [
+        _ready(subprocess.Popen(STUBBORN, stdout=subprocess.PIPE, text=True)) for _ in range(3)
+    ]
+    t0 = time.monotonic()
+    stop_processes(stubborn, grace=2)
+    # One shared period: about 2 s. One each would take 6 s or more.
+    assert time.monotonic() - t0 < 5
+    assert all(p.returncode == -signal.SIGKILL for p in stubborn)
 
 
 def test_exited_processes_are_only_reaped():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     while p.poll() is None:
         time.sleep(0.01)
-    procs.stop([p])
+    stop_processes([p])
     assert p.returncode == 0
 
 
-def test_group_stop_ends_what_the_child_started():
-    # The child starts a grandchild in its own group and prints its pid.
+def _leader(child: list[str], ignore_term: bool) -> tuple[subprocess.Popen, int]:
+    """A group leader (SIGTERM ignored or not) that starts `child` in its group and waits for its
+    "ready"; returns the leader and the child's pid."""
     code = (
-        "import subprocess, sys, time;"
-        f"g = subprocess.Popen({SLEEP!r}); print(g.pid, flush=True); time.sleep(60)"
+        "import signal, subprocess, time;"
+        + ("signal.signal(signal.SIGTERM, signal.SIG_IGN);" if ignore_term else "")
+        + f"g = subprocess.Popen({child!r}, stdout=subprocess.PIPE, text=True);"
+        + "g.stdout.readline(); print(g.pid, flush=True); time.sleep(60)"
     )
     p = subprocess.Popen(
         [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
-    grandchild = int(p.stdout.readline())
-    procs.stop([p], grace=5, group=True)
-    assert p.returncode == -signal.SIGTERM
+    return p, int(p.stdout.readline())
+
+
+def _gone(pid: int) -> bool:
     deadline = time.monotonic() + 5  # the grandchild is init's to reap now
-    while _alive(grandchild) and time.monotonic() < deadline:
+    while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(grandchild)
+    return not _alive(pid)
+
+
+def test_group_stop_ends_what_the_child_started():
+    p, grandchild = _leader(CLEANS_UP, ignore_term=False)
+    stop_processes([p], grace=5, group=True)
+    assert p.returncode == -signal.SIGTERM
+    assert _gone(grandchild)
+
+
+def test_group_stop_kills_a_group_that_ignores_sigterm():
+    p, grandchild = _leader(STUBBORN, ignore_term=True)
+    assert stop_processes([p], grace=1, group=True) == []
+    assert p.returncode == -signal.SIGKILL
+    assert _gone(grandchild)
