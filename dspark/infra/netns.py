@@ -1,6 +1,6 @@
 """Network namespaces as nodes: each gets a veth pair into one bridge, an address, loopback.
 
-    root namespace:  bridge (dspark-br0) <- veth host ends (dsv-<node>)
+    root namespace:  bridge (dspark-br0) <- veth host ends (dsv-<hash of the namespace name>)
     node namespace:  veth peer renamed eth0 with the node's address, and lo
 
 Creation is idempotent and undone in reverse; everything needs root and iproute2 (`ip`).
@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 from dspark.errors import ResourceError
@@ -43,7 +44,10 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _host_end(node: Node) -> str:
-    return f"dsv-{node.name}"[:15]  # IFNAMSIZ
+    """The root-namespace end of the node's veth pair. Named after the namespace, which is
+    unique on the machine, not after the node: two specs may both have a node `infer-0`, and
+    their links must not collide. A hash, because names are capped at 15 bytes (IFNAMSIZ)."""
+    return f"dsv-{zlib.crc32(node.netns.encode()):08x}"
 
 
 def bridge_address(spec: ClusterSpec) -> str:
@@ -76,8 +80,12 @@ def up(spec: ClusterSpec) -> None:
         ns, host = node.netns, _host_end(node)
         if ns not in have:
             _ip("netns", "add", ns)
-        if _ip("link", "show", host, check=False).returncode != 0:
+        if _ip("-n", ns, "link", "show", "eth0", check=False).returncode != 0:
+            # A host end without its peer here is left from a namespace that was deleted while
+            # a process still held it: replace the pair.
+            _ip("link", "del", host, check=False)
             _ip("link", "add", host, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", host, "alias", f"{spec.name}/{node.name}")
         _ip("link", "set", host, "master", net.bridge)
         _ip("link", "set", host, "up")
         addr = f"{node.address}/{net.prefix_len}"

@@ -249,7 +249,7 @@ def spawn_ranks(params: Params, paths: TrainPaths) -> Iterator[Ranks]:
         except BaseException as e:
             # Stop the others while the group is up: one that saw it close would report that.
             stop_processes(procs.values())
-            stopped = (0, -signal.SIGTERM, -signal.SIGKILL)
+            stopped = (0, -signal.SIGTERM, -signal.SIGKILL, None)  # None: stuck in the kernel
             failed = [_failure(r, p, job) for r, p in procs.items() if p.returncode not in stopped]
             # A rank's own error is the cause of a collective that broke under rank 0.
             if failed and not isinstance(e, errors.DsparkError | RankFailed):

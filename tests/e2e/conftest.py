@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from dspark.procs import stop_processes
 
 from ..conftest import BIN, copy_repo, tool_env
 
@@ -23,16 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait: float = 20) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-        proc.wait(wait)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+def stop(proc: subprocess.Popen, wait: float = 20) -> None:
+    """Stop a service started in its own session, with everything it started."""
+    stop_processes([proc], grace=wait, group=True)
 
 
 def wait_for(check, timeout: float, what: str, every: float = 1.0):
