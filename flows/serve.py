@@ -81,6 +81,8 @@ def main() -> int:
     try:
         return worker.wait()
     finally:
+        # Flow runs the worker left behind. The leader is reaped, but while any member lives
+        # the group's id cannot be given to a new process, so this reaches only them.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(worker.pid, signal.SIGKILL)
 

@@ -51,6 +51,7 @@ def wanted(spec: ClusterSpec, *, tracking_uri: str) -> list[Service]:
                     str(master_binary()),
                     f"--rpc_address={host}",
                     f"--rpc_port={port}",
+                    f"--metrics_host={host}",  # its default is every interface
                     f"--metrics_port={free_port()}",
                     "--enable_http_metadata_server=false",
                     "--logtostderr=1",

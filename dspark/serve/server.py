@@ -16,7 +16,7 @@ from dspark.decode.engine import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import NgramProposer, NoProposer, Proposer
 from dspark.decode.sampling import Sampling
-from dspark.errors import ConfigError, DataError
+from dspark.errors import ConfigError, DataError, ResourceError
 from dspark.serve.engine import MODES, ServeEngine, profile_verify_cost
 from dspark.serve.scheduler import AdaptiveScheduler
 
@@ -99,30 +99,46 @@ def build(params: Params, target_dir: Path, drafts: Path, mode: str) -> Served:
     return Served(engine, target.tokenizer, target.name, mode, cost)
 
 
-def check_port(host: str, port: int) -> None:
-    """Fail before minutes of loading if the address is taken."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            why = "in use" if e.errno == errno.EADDRINUSE else e.strerror
-            raise ConfigError(f"serve.port: {host}:{port} is not available ({why})") from None
+def claim_port(host: str, port: int) -> socket.socket:
+    """Bind the address before minutes of loading: a taken one fails at once, and nobody can
+    take ours meanwhile. It listens only once uvicorn starts, so clients are refused until the
+    endpoint is ready."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as e:
+        s.close()
+        why = "in use" if e.errno == errno.EADDRINUSE else e.strerror
+        raise ConfigError(f"serve.port: {host}:{port} is not available ({why})") from None
+    return s
 
 
 def serve(params: Params, target_dir: Path, drafts: Path, mode: str, host: str, port: int) -> None:
+    sock = claim_port(host, port)
+    try:
+        _run(build(params, target_dir, drafts, mode), sock, f"{host}:{port}")
+    finally:
+        sock.close()
+
+
+def _run(served: Served, sock: socket.socket, address: str) -> None:
+    """HTTP on `sock` in a thread of its own while the engine keeps the main thread (torch is
+    faster there). A signal stops both; HTTP ending on its own stops the engine and fails."""
     import uvicorn
 
     from dspark.serve.app import create_app
 
-    check_port(host, port)
-    served = build(params, target_dir, drafts, mode)
-    app = create_app(served.engine, served.tokenizer, served.model_name, mode, served.cost)
+    app = create_app(served.engine, served.tokenizer, served.model_name, served.mode, served.cost)
+    host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
-    # The engine keeps the main thread (torch is faster there); HTTP gets a thread of its own,
-    # and a signal stops both.
-    web = threading.Thread(target=server.run, name="dspark-http", daemon=True)
+
+    def run_http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            served.engine.stop()  # with HTTP gone the engine has nobody to serve
 
     def on_signal(signum, _frame):
         server.should_exit = True
@@ -130,10 +146,14 @@ def serve(params: Params, target_dir: Path, drafts: Path, mode: str, host: str, 
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    web = threading.Thread(target=run_http, name="dspark-http", daemon=True)
     web.start()
-    print(f"dspark endpoint: {mode} on http://{host}:{port}", flush=True)
+    print(f"dspark endpoint: {served.mode} on http://{address}", flush=True)
     try:
         served.engine.run()
     finally:
+        http_failed = not server.should_exit
         server.should_exit = True
         web.join(timeout=30)
+    if http_failed:
+        raise ResourceError(f"serve: the HTTP server on {address} stopped on its own")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 import subprocess
 import time
@@ -38,6 +40,34 @@ def listening(host: str, port: int, timeout: float = 0.2) -> bool:
             return True
     except OSError:
         return False
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """True when process `pid` itself holds a socket listening on TCP `port`, in its own
+    network namespace. A connection is no proof: between choosing a free port and the child
+    binding it, another process may have taken it (Linux's /proc)."""
+    wanted = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue  # tcp6 is absent where IPv6 is off
+        for row in rows:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                wanted.add(f"socket:[{inode}]")
+    if not wanted:
+        return False
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):  # an fd closed while we look
+            if os.readlink(fd) in wanted:
+                return True
+    return False
 
 
 @dataclass
@@ -81,7 +111,7 @@ class MooncakeMaster:
         )
         master = cls(host, port, metrics_port, proc)
         deadline = time.monotonic() + ready_timeout
-        while not listening(host, port):
+        while not listens_on(proc.pid, port):
             if proc.poll() is not None or time.monotonic() > deadline:
                 master.stop()
                 raise TransportError(f"mooncake_master did not start on {host}:{port}")

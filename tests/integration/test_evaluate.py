@@ -16,7 +16,7 @@ from dspark.evaluate.stage import EvalPaths, Evaluation, evaluate
 from dspark.io import atomic_dir
 from dspark.models.dspark import DSparkDraft
 from dspark.train.checkpoint import save_draft
-from tests.conftest import ROOT
+from tests.conftest import ROOT, tool_env
 from tests.unit.test_spec_decode import tiny_drafts
 
 PROMPTS = [
@@ -140,15 +140,18 @@ def test_missing_draft_is_a_clear_error(tiny_target_dir, tmp_path):
 def test_bad_prompt_file_fails_in_one_line(tmp_path, line, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(line + "\n")
+    params = ["--params", str(ROOT / "params.yaml"), "--profile", "smoke"]
     proc = subprocess.run(
-        [sys.executable, "-m", "dspark", "evaluate", "--prompts", str(bad), "--profile", "smoke"],
-        cwd=ROOT,
+        [sys.executable, "-m", "dspark", "evaluate", "--prompts", str(bad), *params],
+        cwd=tmp_path,  # the stage writes logs/resolved/ first: not into the checkout
         capture_output=True,
         text=True,
+        env=tool_env(),
     )
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "bad.jsonl:1" in lines[0], proc.stderr
+    assert (tmp_path / "logs" / "resolved" / "evaluate.json").is_file()
 
 
 def test_long_context_prompts_fit_with_their_chat_template(tiny_target):

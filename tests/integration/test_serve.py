@@ -194,6 +194,64 @@ def test_port_in_use_is_a_one_line_error(workdir):
     ]
 
 
+class _IdleEngine:
+    """Stands in for the serving engine: runs until stopped."""
+
+    def __init__(self):
+        import threading
+
+        self.stopped = threading.Event()
+
+    def run(self):
+        self.stopped.wait(30)
+
+    def stop(self):
+        self.stopped.set()
+
+
+def _serve_without_a_model(monkeypatch, port, on_build=None, http_run=None):
+    import uvicorn
+
+    from dspark.serve import app, server
+
+    def build(*_args):
+        if on_build:
+            on_build()
+        return server.Served(_IdleEngine(), None, "idle", "none", None)
+
+    monkeypatch.setattr(server, "build", build)
+    monkeypatch.setattr(app, "create_app", lambda *_args: None)
+    monkeypatch.setattr(server.signal, "signal", lambda *_args: None)  # the test's own handlers
+    if http_run:
+        monkeypatch.setattr(uvicorn.Server, "run", http_run)
+    params = load_params(ROOT / "params.yaml", profile="smoke")
+    server.serve(params, ROOT, ROOT, "none", "127.0.0.1", port)
+
+
+def test_the_port_is_held_while_the_model_loads(monkeypatch):
+    port = free_port()
+    seen = []
+
+    def on_build():
+        seen.append(port_is_free(port))
+        raise RuntimeError("stop here")
+
+    with pytest.raises(RuntimeError, match="stop here"):
+        _serve_without_a_model(monkeypatch, port, on_build=on_build)
+    assert seen == [False]
+    assert port_is_free(port)  # released when the endpoint fails
+
+
+def test_the_endpoint_fails_when_its_http_server_dies(monkeypatch):
+    from dspark.errors import ResourceError
+
+    def dies(self, sockets=None):
+        return  # as uvicorn's thread ends when it cannot start (there by sys.exit)
+
+    with pytest.raises(ResourceError, match=r"HTTP server on 127\.0\.0\.1:\d+ stopped on its own"):
+        _serve_without_a_model(monkeypatch, free_port(), http_run=dies)
+
+
 def bench_prompts(path):
     words = "Tom has {} apples and buys {} more, then gives away {}. How many apples are left?"
     rows = [

@@ -190,11 +190,13 @@ def test_plan_only_exits_1_when_it_cannot_fit(tmp_path, capsys, monkeypatch):
     assert "FAIL     inference.gpu_memory" in capsys.readouterr().err
 
 
-def test_provisioning_a_gpu_cluster_here_is_refused_in_one_line(capsys, monkeypatch):
+def test_provisioning_a_gpu_cluster_here_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
     from dspark.cli import main
 
-    monkeypatch.chdir(ROOT)
-    assert main(["provision", "--spec", "infra/k3-gb300.yaml"]) == 2
+    monkeypatch.chdir(tmp_path)  # the stage writes logs/resolved/ first: not into the checkout
+    argv = ["--params", str(ROOT / "params.yaml"), "--spec", str(INFRA / "k3-gb300.yaml")]
+    assert main(["provision", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dspark: error: provision.spec: k3-gb300 is a GPU cluster")
     assert "\n" not in err
+    assert (tmp_path / "logs" / "resolved" / "provision.json").is_file()
