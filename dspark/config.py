@@ -40,19 +40,7 @@ CATEGORIES = (
     "writing",
 )
 LONG_CATEGORIES = ("long_context", "long_context_4k")
-Category = Literal[
-    "HumanEval",
-    "math_reasoning",
-    "qa",
-    "question",
-    "rag",
-    "summarization",
-    "tool_call",
-    "translation",
-    "writing",
-    "long_context",
-    "long_context_4k",
-]
+Category = Literal[CATEGORIES + LONG_CATEGORIES]  # one list: pydantic reads the values
 
 PosInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
