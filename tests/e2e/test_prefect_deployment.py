@@ -12,6 +12,7 @@ the trainer in a third.
 """
 
 import json
+import os
 import re
 import subprocess
 import time
@@ -62,14 +63,31 @@ def runs(repo):
     return client, client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
 
 
+# The copy's namespaces are its own: a user's live netns-3node (dspark-*, 10.77.0.0/24) must
+# outlive the suite's teardown, and so must another suite's on this machine.
+NETNS_TAG = f"dse{os.getpid() % 10000}"
+NETNS_SUBNET = f"10.79.{os.getpid() % 250}"
+
+
 def on_netns_spec(repo) -> str | None:
-    """Point the copy's params at the netns spec; why not, when namespaces cannot be made."""
+    """Point the copy's params at its netns spec, under names of its own; why not, when
+    namespaces cannot be made."""
     from dspark.infra import netns
 
     why = netns.missing()
     if why:
         print(f"the chain on the local spec: network namespaces unavailable ({why})")
         return why
+    spec = repo / "infra" / "netns-3node.yaml"
+    text = spec.read_text()
+    for old, new, count in [
+        ("netns: dspark-", f"netns: {NETNS_TAG}-", 3),
+        ("bridge: dspark-br0", f"bridge: {NETNS_TAG}-br0", 1),
+        ("address: 10.77.0.", f"address: {NETNS_SUBNET}.", 3),
+    ]:
+        assert text.count(old) == count, f"{spec.name}: expected {count} of {old!r}"
+        text = text.replace(old, new)
+    spec.write_text(text)
     params = repo / "params.yaml"
     text, n = re.subn(
         r"^  spec: null", "  spec: infra/netns-3node.yaml", params.read_text(), count=1, flags=re.M
@@ -85,9 +103,10 @@ def check_stage_outputs(repo, on_netns: bool) -> None:
 
     if on_netns:
         plan = json.loads((repo / "artifacts" / "plan.json").read_text())["placement"]
-        assert [p["netns"] for p in plan["inference_plane"]] == ["dspark-infer-0", "dspark-infer-1"]
-        assert plan["training_plane"][0]["address"] == "10.77.0.20"
-        assert "dspark-train-0" not in netns.existing()
+        names = [p["netns"] for p in plan["inference_plane"]]
+        assert names == [f"{NETNS_TAG}-infer-0", f"{NETNS_TAG}-infer-1"]
+        assert plan["training_plane"][0]["address"] == f"{NETNS_SUBNET}.20"
+        assert f"{NETNS_TAG}-train-0" not in netns.existing()
     metrics = json.loads((repo / "metrics" / "prepare.json").read_text())
     assert metrics["profile"] == "smoke" and metrics["num_samples"] == 8
     assert {"git_commit", "created_at"} <= metrics.keys()
