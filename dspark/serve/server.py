@@ -117,12 +117,12 @@ def claim_port(host: str, port: int) -> socket.socket:
 def serve(params: Params, target_dir: Path, drafts: Path, mode: str, host: str, port: int) -> None:
     sock = claim_port(host, port)
     try:
-        _run(build(params, target_dir, drafts, mode), sock, f"{host}:{port}")
+        _run(build(params, target_dir, drafts, mode), sock)
     finally:
         sock.close()
 
 
-def _run(served: Served, sock: socket.socket, address: str) -> None:
+def _run(served: Served, sock: socket.socket) -> None:
     """HTTP on `sock` in a thread of its own while the engine keeps the main thread (torch is
     faster there). A signal stops both; HTTP ending on its own stops the engine and fails."""
     import uvicorn
@@ -131,6 +131,7 @@ def _run(served: Served, sock: socket.socket, address: str) -> None:
 
     app = create_app(served.engine, served.tokenizer, served.model_name, served.mode, served.cost)
     host, port = sock.getsockname()[:2]
+    address = f"{host}:{port}"
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
 

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -198,8 +199,6 @@ class _IdleEngine:
     """Stands in for the serving engine: runs until stopped."""
 
     def __init__(self):
-        import threading
-
         self.stopped = threading.Event()
 
     def run(self):
