@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     from dspark.errors import DsparkError
+    from dspark.stopping import Stopped
 
     try:
         if args.command == "provision" and (args.plan_only or args.teardown):
@@ -296,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     except DsparkError as e:
         print(f"dspark: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Stopped as e:  # asked to stop, and left a checkpoint to resume from
+        print(f"dspark: {e}", file=sys.stderr)
+        return e.code
     except KeyboardInterrupt:
         return 130
     return 0

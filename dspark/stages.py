@@ -74,6 +74,9 @@ class Stage:
     register: tuple[str, str, str] | None = None  # (child, folder, MLflow registered model)
     metrics_name: str | None = None  # metrics/<this>.json, when not the stage's name
     report: str | None = None  # a markdown report, shown as a Prefect artifact
+    # How long a stop (a cancelled flow run) waits for the stage before killing it: train
+    # finishes its step and checkpoints (dspark.stopping), which takes a step's time.
+    stop_grace_s: float = 10.0
 
     @property
     def metrics(self) -> str:
@@ -272,6 +275,7 @@ STAGES: tuple[Stage, ...] = (
         ),
         outs=(DRAFTS, TRAIN_CHECKPOINT),
         persist_outs=(TRAIN_CHECKPOINT,),
+        stop_grace_s=300.0,
         plots=(Plot(TRAIN_CURVES, x="tokens", y="tau_sim"), Plot(TRAIN_CURVES_PNG)),
         artifacts=(TRAIN_CURVES, TRAIN_CURVES_PNG),
         children=("dspark", "eagle3", "dspark_gated", "dspark_rnn", "dspark_rank0"),

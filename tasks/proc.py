@@ -38,8 +38,10 @@ def run(
     on_line: Callable[[str], None] | None = None,
     every: Callable[[], None] | None = None,
     every_s: float = 2.0,
+    grace: float = GRACE_S,
 ) -> tuple[int, str]:
     """Run `cmd`, streaming its merged output to `on_line`; call `every` periodically.
+    Stopping it (an error here, a cancellation) gives it `grace` seconds after SIGTERM.
 
     Returns (exit code, full output).
     """
@@ -72,7 +74,7 @@ def run(
         proc.wait()
     finally:
         stop.set()
-        stop_processes([proc], grace=GRACE_S, group=True)
+        stop_processes([proc], grace=grace, group=True)
         if ticker:
             ticker.join(timeout=every_s + 1)
     if every:

@@ -107,6 +107,7 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
             root_path,
             on_line=logger.info,
             every=None if cached else follow,
+            grace=stage.stop_grace_s,
         )
         if rc != 0:
             tail = " | ".join(out.strip().splitlines()[-3:])

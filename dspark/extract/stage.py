@@ -173,6 +173,11 @@ def open_stream(
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env={**os.environ},
+                    # Out of the caller's process group: a Ctrl-C or a cancelled flow run
+                    # signals the group, and the trainer still needs the stream to finish its
+                    # step and checkpoint. It stops them on exit; if it dies instead, they
+                    # give up on its coordinator after `reconnect_for`.
+                    start_new_session=True,
                 )
             )
         stack.callback(_stop_all, coordinators, producers)

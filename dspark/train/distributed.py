@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dspark import errors
 from dspark.procs import stop_processes
+from dspark.stopping import SIGNALS, Stopped
 from dspark.train.losses import AcceptanceStats
 
 if TYPE_CHECKING:
@@ -249,10 +250,11 @@ def spawn_ranks(params: Params, paths: TrainPaths) -> Iterator[Ranks]:
         except BaseException as e:
             # Stop the others while the group is up: one that saw it close would report that.
             stop_processes(procs.values())
-            stopped = (0, -signal.SIGTERM, -signal.SIGKILL, None)  # None: stuck in the kernel
+            # None: stuck in the kernel. 128 + signal: stopped on request, like rank 0.
+            stopped = (0, -signal.SIGTERM, -signal.SIGKILL, None, *(128 + s for s in SIGNALS))
             failed = [_failure(r, p, job) for r, p in procs.items() if p.returncode not in stopped]
             # A rank's own error is the cause of a collective that broke under rank 0.
-            if failed and not isinstance(e, errors.DsparkError | RankFailed):
+            if failed and not isinstance(e, errors.DsparkError | RankFailed | Stopped):
                 raise failed[0] from e
             raise
         finally:
@@ -328,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         error = {"kind": type(e).__name__, "message": str(e)}
         job.with_name(f"rank-{rank}.error").write_text(json.dumps(error))
         return 2
+    except Stopped as e:  # rank 0 says so, and wrote the checkpoint
+        return e.code
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -32,6 +32,7 @@ from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.models.layers import LayerShape
 from dspark.models.target import Target, load_target, read_manifest, set_threads
 from dspark.models.vocab import build_draft_ids, count_tokens
+from dspark.stopping import on_signals
 from dspark.train.batch import TargetHead
 from dspark.train.checkpoint import save_draft
 from dspark.train.distributed import (
@@ -243,7 +244,9 @@ def train_rank(
         online=online,
         ranks=ranks,
     )
-    loop = trainer.fit(source, train_ids, eval_ids)
+    with on_signals() as stop:  # SIGTERM or Ctrl-C: checkpoint after this step, then stop
+        trainer.stop = stop
+        loop = trainer.fit(source, train_ids, eval_ids)
     if not lead:
         return {}
     coverage = float(counts[draft_ids].sum() / counts.sum().clamp_min(1))

@@ -5,7 +5,8 @@ A draft's wall time is its own forward, backward and optimizer step plus the bat
 preparation (padding and the target's distributions, which every draft needs). Data waiting
 and held-out evaluation are counted apart. Checkpoints hold everything a bit-exact resume needs:
 weights, AdamW state, the position in the plan and the curves so far; anchor sampling draws
-from a generator seeded by the step, so no RNG state has to be carried.
+from a generator seeded by the step, so no RNG state has to be carried. A stop request (see
+dspark.stopping) is honoured between steps: checkpoint, then Stopped.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import signal
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -28,6 +30,7 @@ from dspark.errors import DataError
 from dspark.io import atomic_dir, write_json
 from dspark.metrics import EventLog
 from dspark.schema import Sample
+from dspark.stopping import Stopped, StopRequest
 from dspark.train import checkpoint as ckpt
 from dspark.train.batch import Batch, TargetHead, collate
 from dspark.train.distributed import Part, Ranks, data_parallel
@@ -185,6 +188,7 @@ class Trainer:
     loop_s: float = 0.0  # this loop's wall time, summed over resumed runs
     resumed_from: int | None = None
     ranks: Ranks | None = None  # data-parallel ranks sharing each batch; None: this process only
+    stop: StopRequest | None = None  # once set, the loop checkpoints and raises Stopped
 
     @property
     def leader(self) -> bool:
@@ -229,10 +233,18 @@ class Trainer:
                     bar.update(1)
                     if self.step % eval_every == 0 or self.step == total:
                         self._evaluate(eval_batches)
-                    if self.step % c.checkpoint_every == 0 or self.step == total:
+                    stopping = self.step < total and self._stop_agreed()
+                    if stopping or self.step % c.checkpoint_every == 0 or self.step == total:
                         self._account(source)
                         nxt = (e, b + 1) if b + 1 < len(plan) else (e + 1, 0)
                         self.save_checkpoint(*nxt)
+                    if stopping:
+                        bar.close()
+                        raise Stopped(
+                            f"train: stopped at step {self.step} of {total}; the checkpoint in "
+                            f"{self.checkpoint_dir} resumes it (run the stage again)",
+                            self.stop.signum if self.stop else signal.SIGTERM,
+                        )
                 self._account(source)
         bar.close()
         self._account(None)
@@ -248,6 +260,14 @@ class Trainer:
                 round(self.data_wait_s / self.loop_s, 4) if self.loop_s else None
             ),
         }
+
+    def _stop_agreed(self) -> bool:
+        """Whether to stop after this step. Every rank must stop at the same one, so a request
+        on any rank counts for all (one small all-reduce per step)."""
+        asked = bool(self.stop)
+        if self.ranks is None:
+            return asked
+        return bool(self.ranks.sum(torch.tensor([float(asked)], dtype=torch.float64)) > 0)
 
     def _account(self, source: Source | None) -> None:
         """Move the source's new waiting time and the loop's wall time into the totals."""

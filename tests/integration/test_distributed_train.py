@@ -336,3 +336,92 @@ def test_torchrun_ranks_train_as_one_process_does(tiny_target_dir, data, tmp_pat
     got, want = drafts(paths.drafts), drafts(tmp_path / "1" / "drafts")
     for name in want:
         assert_close(got[name], want[name], name)
+
+
+STOPPABLE = """
+import json, sys
+from pathlib import Path
+from dspark.config import Params
+from dspark.stopping import Stopped
+from dspark.train.stage import TrainPaths, train
+job = json.loads(Path(sys.argv[1]).read_text())
+paths = TrainPaths(**{k: Path(v) for k, v in job["paths"].items()})
+try:
+    train(Params.model_validate(job["params"]), paths, progress=False)
+except Stopped as e:
+    print(e, file=sys.stderr)
+    sys.exit(e.code)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_whole_group_checkpoints_the_step_and_resumes(
+    tiny_target_dir, data, tmp_path
+):
+    """What a cancelled flow run or Ctrl-C does to two ranks on a stream: every process in
+    the group gets the signal; the ranks agree on one step, rank 0 checkpoints it, the stream
+    (producers in sessions of their own) stays up until then, and nothing is left running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dspark.metrics import read_events
+    from dspark.train.checkpoint import read_state
+
+    params = smoke(
+        "train.epochs=3",  # 9 steps
+        "train.checkpoint_every=100",  # only the stop writes one
+        "extract.mode=online",
+        "extract.wire_dtype=float32",
+        "extract.consumers=2",
+        "train.world_size=2",
+    )
+    paths = stage_paths(tiny_target_dir, data, tmp_path)
+    job = tmp_path / "job.json"
+    paths_doc = {k: str(v) for k, v in paths.__dict__.items()}
+    job.write_text(json.dumps({"params": params.model_dump(mode="json"), "paths": paths_doc}))
+    script = tmp_path / "stoppable.py"
+    script.write_text(STOPPABLE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(job)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not any("dspark/loss" in e["metrics"] for e in read_events(paths.events)[0]):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no training step within 300 s"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("train: stopped at step ") and last.endswith("(run the stage again)")
+    step = read_state(paths.checkpoint)["step"]
+    assert f"step {step} of 9;" in last and 1 <= step < 9
+    assert not paths.drafts.exists()  # the stage did not finish: no drafts
+    assert not _in_session(proc.pid)  # ranks and producers alike
+
+    out = train(params, paths, progress=False)
+    assert out["resumed_from_step"] == step and out["steps"] == 9
+
+
+def _in_session(sid: int) -> list[int]:
+    """Live processes whose session is `sid` (Linux)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive

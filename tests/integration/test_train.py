@@ -1,5 +1,6 @@
 """Training on the tiny target: learning, resume, checkpoints and the export round trip."""
 
+import signal
 from contextlib import contextmanager
 
 import pytest
@@ -15,8 +16,9 @@ from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.layers import RMSNorm
 from dspark.models.vocab import build_draft_ids, count_tokens
 from dspark.schema import Sample
+from dspark.stopping import Stopped, StopRequest
 from dspark.train.batch import TargetHead, collate
-from dspark.train.checkpoint import load_draft, save_draft
+from dspark.train.checkpoint import load_draft, read_state, save_draft
 from dspark.train.losses import LossWeights
 from dspark.train.objectives import DSparkObjective
 from dspark.train.sources import Source
@@ -113,6 +115,45 @@ def test_resume_continues_bit_exact(smoke_params, tiny_target, samples, tmp_path
         sa, sb = a.model.state_dict(), b.model.state_dict()
         assert all(torch.equal(sa[k], sb[k]) for k in sa), f"{a.name} weights differ"
         assert [p[1:] for p in a.curve] == [p[1:] for p in b.curve]  # tokens and tau_sim
+
+
+def test_a_stop_request_checkpoints_at_that_step_and_resumes_bit_exact(
+    smoke_params, tiny_target, samples, tmp_path
+):
+    """Stopped between checkpoints (step 4; they fall every 3): nothing is lost."""
+    params = tiny_params(smoke_params)
+    ids = [s.sample_id for s in samples]
+    train_ids, eval_ids = ids[2:], ids[:2]
+    whole = make_trainer(params, tiny_target, samples, tmp_path / "a")
+    whole.fit(memory_source(samples), train_ids, eval_ids)
+
+    stopped = make_trainer(params, tiny_target, samples, tmp_path / "b", stop=StopRequest())
+    source = memory_source(samples)
+
+    @contextmanager
+    def asks_after_step_4(need):
+        with source(need) as src:
+            take = src.take
+
+            def take_then_ask(wanted):
+                if stopped.step == 3 and wanted != eval_ids:
+                    stopped.stop.set(signal.SIGINT)  # as if Ctrl-C came during step 4
+                return take(wanted)
+
+            src.take = take_then_ask
+            yield src
+
+    with pytest.raises(Stopped, match=r"^train: stopped at step 4 of 8; the checkpoint in ") as e:
+        stopped.fit(asks_after_step_4, train_ids, eval_ids)
+    assert e.value.code == 130
+    assert read_state(tmp_path / "b")["step"] == 4
+    resumed = make_trainer(params, tiny_target, samples, tmp_path / "b")
+    resumed.fit(memory_source(samples), train_ids, eval_ids)
+    assert resumed.resumed_from == 4 and resumed.step == 8
+    for a, b in zip(whole.runs, resumed.runs, strict=True):
+        sa, sb = a.model.state_dict(), b.model.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), f"{a.name} weights differ"
+        assert [p[1:] for p in a.curve] == [p[1:] for p in b.curve]
 
 
 def test_a_checkpoint_of_another_configuration_is_not_resumed(

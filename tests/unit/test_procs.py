@@ -9,7 +9,10 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dspark.procs import stop_processes
+from tasks import proc
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 # Ignores SIGTERM, then says it is ready (so the test does not race its handler's install).
@@ -118,3 +121,40 @@ def test_group_stop_kills_a_group_that_ignores_sigterm():
     assert stop_processes([p], grace=1, group=True) == []
     assert p.returncode == -signal.SIGKILL
     assert _gone(grandchild)
+
+
+# Checkpoints for a while after SIGTERM (as the trainer does), then exits 143.
+CHECKPOINTS = """
+import signal, sys, time
+from pathlib import Path
+asked = []
+signal.signal(signal.SIGTERM, lambda *_: asked.append(1))
+print("ready", flush=True)
+while not asked:
+    time.sleep(0.01)
+time.sleep(1.0)
+Path(sys.argv[1]).write_text("saved")
+sys.exit(143)
+"""
+
+
+def test_a_stage_run_is_given_its_grace_to_finish_when_the_caller_stops(tmp_path):
+    """tasks.proc.run: whatever stops the caller (here `on_line` raising, as Prefect's
+    cancellation does) signals the child's group and waits `grace` before killing it."""
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel(_line: str) -> None:
+        raise Cancelled
+
+    for grace, saved in ((20.0, True), (0.2, False)):
+        out = tmp_path / f"saved-{grace}"
+        with pytest.raises(Cancelled):
+            proc.run(
+                [sys.executable, "-c", CHECKPOINTS, str(out)],
+                cwd=tmp_path,
+                on_line=cancel,
+                grace=grace,
+            )
+        assert out.exists() == saved, f"grace {grace}"
