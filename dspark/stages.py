@@ -36,6 +36,7 @@ PREPARE_LENGTHS = "plots/prepare_lengths.csv"
 EVAL_PLOTS = "plots"
 EVAL_REPORT = "metrics/eval_report.md"
 EVAL_RECORDS = "artifacts/eval_records"
+BENCH_RECORDS = "artifacts/bench_records"
 BENCH_REPORT = "metrics/bench_report.md"
 BENCH_LOGS = "logs/bench"
 PREPARE_ENGINE_LOG = "logs/vllm/prepare.log"
@@ -187,6 +188,7 @@ def _benchmark(ctx: StageContext) -> dict:
         plots=ctx.path(EVAL_PLOTS),
         report=ctx.path(BENCH_REPORT),
         logs=ctx.path(BENCH_LOGS),
+        records=ctx.path(BENCH_RECORDS),
     )
     return benchmark(ctx.params, paths, ctx.root)
 
@@ -310,6 +312,7 @@ STAGES: tuple[Stage, ...] = (
             "dspark/models",
             "dspark/data/prompts.py",
             "dspark/train/checkpoint.py",
+            "dspark/records.py",
         ),
         outs=(EVAL_RECORDS,),
         persist=True,  # the records are the stage's checkpoint: a rerun resumes from them
@@ -340,7 +343,10 @@ STAGES: tuple[Stage, ...] = (
             "dspark/models",
             "dspark/data/prompts.py",
             "dspark/train/checkpoint.py",
+            "dspark/records.py",
         ),
+        # Its records (BENCH_RECORDS) are a checkpoint, not a product: like logs/, DVC leaves
+        # them alone, and the fingerprint in their name says which run they resume.
         outs=(),
         metrics_name="bench",
         report=BENCH_REPORT,

@@ -32,12 +32,15 @@ from dspark.data.prompts import read_prompt_file
 from dspark.errors import DataError
 from dspark.io import write_json
 from dspark.procs import stop_processes
+from dspark.records import Records, fingerprint
 from dspark.serve import report
 from dspark.serve.client import summarize
 from dspark.serve.vllm_mode import MODE as VLLM_MODE
 from dspark.serve.vllm_mode import VllmEndpoint
 
 SPECULATIVE = ("ngram", "eagle3", "dspark_fixed", "dspark_adaptive")
+# What decides a cell's figures besides params and inputs (the fingerprint of its records).
+RECORDED_CODE = ("serve", "engines", "decode", "evaluate", "models")
 READY_TIMEOUT_S = 900.0  # loading plus the adaptive mode's verify-cost profile
 
 
@@ -49,6 +52,7 @@ class BenchPaths:
     plots: Path
     report: Path
     logs: Path
+    records: Path  # the cells measured so far: the stage's checkpoint
 
 
 def build_requests(params: Params, target, prompts_file: Path) -> dict[str, list[dict]]:
@@ -156,16 +160,49 @@ def cell_plan(params: Params) -> list[tuple[int, str]]:
     return cells
 
 
+def bench_records(params: Params, paths: BenchPaths) -> Records:
+    """The cells measured so far by a run with the same params, inputs and serving code."""
+    basis = {
+        "params": params.model_dump(mode="json", include={"target", "serve", "benchmark"}),
+        "block_size": params.train.dspark.block_size,
+    }
+    drafted = sorted(paths.drafts.glob("*/*")) if paths.drafts.is_dir() else []
+    return Records(paths.records, fingerprint(basis, [*drafted, paths.prompts], RECORDED_CODE))
+
+
 def measure(
-    params: Params, requests, paths: BenchPaths, root: Path, log, single=None, verify_cost=None
+    params: Params,
+    requests,
+    paths: BenchPaths,
+    root: Path,
+    log,
+    single=None,
+    verify_cost=None,
+    records: Records | None = None,
 ) -> list[dict]:
     """Every mode's endpoint up at once, then each cell run mode after mode: the modes of a
     cell are measured minutes apart at most, so the machine's drift shows in every one alike
     (on this shared 2-core machine one mode's step time moves 15% between loads). `single`
     measures one more cell beside the single-stream ones (transformers' generate); the
-    verify-cost tables the endpoints profiled go into `verify_cost` {mode: table}."""
+    verify-cost tables the endpoints profiled go into `verify_cost` {mode: table}.
+
+    With `records`, each cell is recorded once all its modes are measured, and a rerun replays
+    the recorded ones: a stopped benchmark goes on at the first cell it had not finished, and
+    every cell's modes were still measured side by side."""
     verify_cost = {} if verify_cost is None else verify_cost
     cfg, host = params.benchmark, params.serve.host
+    plan = cell_plan(params)
+
+    def key(concurrency: int, workload: str) -> str:
+        return f"c={concurrency} {workload}"
+
+    recorded = {key(*p): records.get(key(*p)) for p in plan} if records else {}
+    done = {k: r["cells"] for k, r in recorded.items() if r}
+    if records and (recorded := records.get("verify_cost")):
+        verify_cost.update(recorded["tables"])
+    if len(done) == len(plan):
+        log(f"all {len(plan)} cells recorded by an earlier run: nothing to measure")
+        return [x for p in plan for x in done[key(*p)]]
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
         resolved = tmp / "params.json"
@@ -187,23 +224,33 @@ def measure(
         for ep in endpoints:
             if table := ep.stats().get("verify_cost"):
                 verify_cost[ep.mode] = table
+        if records:
+            records.put("verify_cost", tables=verify_cost)
         for ep in endpoints:
             if cfg.warmup_requests:
                 run_client(
                     ep.url, requests[cfg.workload], 1, cfg.warmup_requests, cfg, tmp, ep.client_args
                 )
         cells = []
-        for concurrency, workload in cell_plan(params):
+        for concurrency, workload in plan:
+            if key(concurrency, workload) in done:
+                cells += done[key(concurrency, workload)]
+                log(f"c={concurrency:<3d} {workload:15s} recorded by an earlier run")
+                continue
+            group = []
             if single and (concurrency, workload) == (1, cfg.workload):
-                cells.append(single())
-                log(f"{'none_hf':16s} c=1   {workload:15s} {cells[-1]['tok_s']} tok/s")
+                group.append(single())
+                log(f"{'none_hf':16s} c=1   {workload:15s} {group[-1]['tok_s']} tok/s")
             for ep in endpoints:
-                cells.append(run_cell(ep, concurrency, workload, params, requests, tmp))
-                x = cells[-1]
+                group.append(run_cell(ep, concurrency, workload, params, requests, tmp))
+                x = group[-1]
                 log(
                     f"{ep.mode:16s} c={concurrency:<3d} {workload:15s} {x['tok_s']} tok/s, "
                     f"TTFT p50 {x['ttft_p50_ms']} ms, tau {x['tau']}"
                 )
+            if records:
+                records.put(key(concurrency, workload), cells=group)
+            cells += group
         return cells
 
 
@@ -284,11 +331,14 @@ def benchmark(params: Params, paths: BenchPaths, root: Path, log=print) -> dict:
                 return hf_baseline(params, target, requests[params.benchmark.workload])
 
         verify_cost: dict = {}
-        cells = measure(params, requests, paths, root, log, single, verify_cost)
+        records = bench_records(params, paths)
+        resumed = sum(1 for k in records.done if k.startswith("c="))  # an earlier run's cells
+        cells = measure(params, requests, paths, root, log, single, verify_cost, records)
     finally:
         signal.signal(signal.SIGTERM, previous)
     result = assemble(params, cells)
     result["verify_cost"] = verify_cost  # {mode: {"tokens": [...], "ms": [...]}}
+    result["resumed_cells"] = resumed  # each with all its modes, measured side by side
     report.write_plots(result, paths.plots)
     report.write_report(result, paths.report)
     log(report.table(result))

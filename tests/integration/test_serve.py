@@ -283,9 +283,11 @@ def test_benchmark_stage(workdir, tmp_path):
         plots=tmp_path / "plots",
         report=tmp_path / "report.md",
         logs=tmp_path / "logs",
+        records=tmp_path / "records",
     )
     lines = []
     result = benchmark(bench_params(), paths, workdir, log=lines.append)
+    assert result["resumed_cells"] == 0
     cells = result["cells"]
     modes = {"none_hf", "none", "dspark_fixed", "dspark_adaptive"}
     assert {c["mode"] for c in cells} == modes
@@ -309,6 +311,24 @@ def test_benchmark_stage(workdir, tmp_path):
     assert (tmp_path / "plots" / "bench.png").stat().st_size > 0
     assert "tok/s" in (tmp_path / "report.md").read_text()
     assert any("dspark_adaptive" in line for line in lines)
+
+    # Stopped before its last cell: a rerun measures only that one, side by side as before.
+    (record,) = (tmp_path / "records").glob("*.jsonl")
+    kept = record.read_text().splitlines()[:-1]
+    record.write_text("".join(f"{line}\n" for line in kept) + '{"key": "c=2 mix", "cel')
+    lines.clear()
+    again = benchmark(bench_params(), paths, workdir, log=lines.append)
+    assert again["resumed_cells"] == 2
+    assert sum("recorded by an earlier run" in line for line in lines) == 2
+    assert [c for c in again["cells"] if c["workload"] != "mix"] == [
+        c for c in cells if c["workload"] != "mix"
+    ]
+    assert {c["mode"] for c in again["cells"] if c["workload"] == "mix"} == modes - {"none_hf"}
+    # Everything recorded: no endpoint starts at all.
+    lines.clear()
+    assert benchmark(bench_params(), paths, workdir, log=lines.append)["cells"] == again["cells"]
+    assert lines[0] == "all 3 cells recorded by an earlier run: nothing to measure"
+    assert not any(" tok/s, TTFT p50 " in line for line in lines)  # nothing measured
 
 
 def test_terminating_the_benchmark_stops_its_server(workdir, tmp_path):
