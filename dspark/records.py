@@ -59,3 +59,8 @@ class Records:
             f.write(json.dumps(rec) + "\n")
         self.done[key] = rec
         return rec
+
+    def clear(self) -> None:
+        """Drop the record: the stage it checkpointed has finished."""
+        self.path.unlink(missing_ok=True)
+        self.done.clear()

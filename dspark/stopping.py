@@ -58,10 +58,30 @@ def on_signals() -> Iterator[StopRequest]:
         request.set(signum)
 
     # A signal the process was started ignoring (SIGINT under `cmd &` in a script) stays so.
-    watched = [sig for sig in SIGNALS if signal.getsignal(sig) != signal.SIG_IGN]
-    previous = {sig: signal.signal(sig, first) for sig in watched}
+    previous: dict = {}
+    for sig in SIGNALS:
+        if signal.getsignal(sig) != signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, first)
     try:
         yield request
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler or signal.SIG_DFL)
+
+
+@contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """For stages with nothing to save mid-way: SIGTERM unwinds like Ctrl-C (SystemExit with
+    128 + 15), so their `with` blocks stop the processes they started and free their ports."""
+
+    def on_term(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)

@@ -2,32 +2,30 @@
 
 Each child gets its own process group; whatever ends the caller (an exception, Prefect's
 cancellation, SIGTERM) ends the whole group, so no stage process outlives its flow run or keeps
-its ports.
+its ports. The group gets SIGTERM first and `grace` seconds to finish (the train stage uses
+them to checkpoint its step); whatever is left then is killed.
 """
 
 from __future__ import annotations
 
-import ctypes
-import signal
 import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from dspark.procs import stop_processes
+from dspark.procs import die_with_parent, stop_processes
 
 GRACE_S = 10.0
-PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the flow process is killed outright (SIGKILL runs no
-    cleanup of ours). Linux only; elsewhere the group kill below is all there is."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+def _drain(proc: subprocess.Popen, on_line: Callable[[str], None] | None) -> None:
+    for line in proc.stdout:
+        if on_line:
+            try:
+                on_line(line.rstrip("\n"))
+            except Exception:
+                on_line = None  # the caller is going away: read on, say nothing
+    proc.stdout.close()
 
 
 def run(
@@ -54,7 +52,7 @@ def run(
         text=True,
         start_new_session=True,
         bufsize=1,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     lines: list[str] = []
     stop = threading.Event()
@@ -74,7 +72,12 @@ def run(
         proc.wait()
     finally:
         stop.set()
+        # Keep reading while the group stops: a stage saving its work must not block on (or
+        # die of) a full pipe. What it says then goes to `on_line` as long as that works.
+        drain = threading.Thread(target=_drain, args=(proc, on_line), daemon=True)
+        drain.start()
         stop_processes([proc], grace=grace, group=True)
+        drain.join(timeout=1.0)
         if ticker:
             ticker.join(timeout=every_s + 1)
     if every:

@@ -36,6 +36,7 @@ from dspark.infra.spec import resolve as resolve_spec
 from dspark.metrics import EventLog
 from dspark.procs import stop_processes
 from dspark.schema import Sample
+from dspark.stopping import exit_on_sigterm
 from dspark.transport.control import Coordinator
 from dspark.transport.files import HiddenShardWriter
 from dspark.transport.master import MooncakeMaster
@@ -233,7 +234,12 @@ def extract(
         except BaseException as e:  # re-raised on the calling thread
             errors.append(e)
 
-    with open_stream(params, target_dir=target_dir, shards_dir=shards_dir, sample_ids=ids) as st:
+    # SIGTERM unwinds like Ctrl-C: the producers sit in sessions of their own (so that the
+    # trainer can outlive a group signal), and leaving this block is what stops them.
+    with (
+        exit_on_sigterm(),
+        open_stream(params, target_dir=target_dir, shards_dir=shards_dir, sample_ids=ids) as st,
+    ):
         consumers = st.consumers(fetch_timeout=x.fetch_timeout)
         threads = [threading.Thread(target=drain, args=(c,)) for c in consumers]
         for t in threads:

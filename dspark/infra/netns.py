@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import zlib
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from dspark.errors import ResourceError
 from dspark.infra.spec import ClusterSpec, Node
+from dspark.procs import die_with_parent
 
 
 def missing() -> str | None:
@@ -124,6 +126,27 @@ def current() -> str | None:
 
 
 def reexec_on(node: Node, argv: list[str]) -> int:
-    """Run this CLI again, with `argv`, inside `node`'s namespace; return its exit code."""
-    cmd = ["ip", "netns", "exec", node.netns, sys.executable, "-m", "dspark", *argv]
-    return subprocess.call(cmd)
+    """Run this CLI again, with `argv`, inside `node`'s namespace; return its exit code.
+
+    The child has a process group of its own, so a signal for ours (Ctrl-C, a cancelled flow
+    run) reaches it once, passed on by us, and we wait while it acts on it: it may be
+    checkpointing (dspark.stopping). If we die first, it gets SIGTERM."""
+    child = subprocess.Popen(
+        namespace_cmd(node.netns, [sys.executable, "-m", "dspark", *argv]),
+        process_group=0,
+        preexec_fn=die_with_parent,
+    )
+
+    def pass_on(signum, _frame):
+        child.send_signal(signum)
+
+    previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def namespace_cmd(netns: str, argv: list[str]) -> list[str]:
+    return ["ip", "netns", "exec", netns, *argv]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from dspark.serve import report
 from dspark.serve.client import summarize
 from dspark.serve.vllm_mode import MODE as VLLM_MODE
 from dspark.serve.vllm_mode import VllmEndpoint
+from dspark.stopping import exit_on_sigterm
 
 SPECULATIVE = ("ngram", "eagle3", "dspark_fixed", "dspark_adaptive")
 # What decides a cell's figures besides params and inputs (the fingerprint of its records).
@@ -162,9 +162,14 @@ def cell_plan(params: Params) -> list[tuple[int, str]]:
 
 def bench_records(params: Params, paths: BenchPaths) -> Records:
     """The cells measured so far by a run with the same params, inputs and serving code."""
-    basis = {
-        "params": params.model_dump(mode="json", include={"target", "serve", "benchmark"}),
+    from dspark.models.target import read_manifest
+
+    basis = {  # the stage's DVC params, and the target's weights
+        "params": params.model_dump(
+            mode="json", include={"target", "provision", "serve", "benchmark"}
+        ),
         "block_size": params.train.dspark.block_size,
+        "target": read_manifest(paths.target),
     }
     drafted = sorted(paths.drafts.glob("*/*")) if paths.drafts.is_dir() else []
     return Records(paths.records, fingerprint(basis, [*drafted, paths.prompts], RECORDED_CODE))
@@ -177,32 +182,33 @@ def measure(
     root: Path,
     log,
     single=None,
-    verify_cost=None,
+    verify_costs: list[dict] | None = None,
     records: Records | None = None,
 ) -> list[dict]:
     """Every mode's endpoint up at once, then each cell run mode after mode: the modes of a
     cell are measured minutes apart at most, so the machine's drift shows in every one alike
     (on this shared 2-core machine one mode's step time moves 15% between loads). `single`
-    measures one more cell beside the single-stream ones (transformers' generate); the
-    verify-cost tables the endpoints profiled go into `verify_cost` {mode: table}.
+    measures one more cell beside the single-stream ones (transformers' generate). The
+    verify-cost tables the endpoints profiled at start ({mode: table}) go into `verify_costs`,
+    one entry per start that measured cells.
 
-    With `records`, each cell is recorded once all its modes are measured, and a rerun replays
-    the recorded ones: a stopped benchmark goes on at the first cell it had not finished, and
-    every cell's modes were still measured side by side."""
-    verify_cost = {} if verify_cost is None else verify_cost
+    With `records`, each cell is recorded once all its modes are measured (with the tables it
+    ran under), and a rerun replays the recorded ones: a stopped benchmark goes on at the first
+    cell it had not finished, and every cell's modes were still measured side by side."""
+    verify_costs = [] if verify_costs is None else verify_costs
     cfg, host = params.benchmark, params.serve.host
     plan = cell_plan(params)
 
     def key(concurrency: int, workload: str) -> str:
         return f"c={concurrency} {workload}"
 
-    recorded = {key(*p): records.get(key(*p)) for p in plan} if records else {}
-    done = {k: r["cells"] for k, r in recorded.items() if r}
-    if records and (recorded := records.get("verify_cost")):
-        verify_cost.update(recorded["tables"])
+    done = {key(*p): r for p in plan if records and (r := records.get(key(*p)))}
+    for r in done.values():
+        if r["verify_cost"] not in verify_costs:
+            verify_costs.append(r["verify_cost"])
     if len(done) == len(plan):
         log(f"all {len(plan)} cells recorded by an earlier run: nothing to measure")
-        return [x for p in plan for x in done[key(*p)]]
+        return [x for p in plan for x in done[key(*p)]["cells"]]
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)
         resolved = tmp / "params.json"
@@ -221,11 +227,8 @@ def measure(
             for mode in group:
                 started[mode].wait_ready()
         endpoints = [started[m] for m in cfg.modes]
-        for ep in endpoints:
-            if table := ep.stats().get("verify_cost"):
-                verify_cost[ep.mode] = table
-        if records:
-            records.put("verify_cost", tables=verify_cost)
+        tables = {ep.mode: t for ep in endpoints if (t := ep.stats().get("verify_cost"))}
+        verify_costs.append(tables)
         for ep in endpoints:
             if cfg.warmup_requests:
                 run_client(
@@ -234,7 +237,7 @@ def measure(
         cells = []
         for concurrency, workload in plan:
             if key(concurrency, workload) in done:
-                cells += done[key(concurrency, workload)]
+                cells += done[key(concurrency, workload)]["cells"]
                 log(f"c={concurrency:<3d} {workload:15s} recorded by an earlier run")
                 continue
             group = []
@@ -249,7 +252,7 @@ def measure(
                     f"TTFT p50 {x['ttft_p50_ms']} ms, tau {x['tau']}"
                 )
             if records:
-                records.put(key(concurrency, workload), cells=group)
+                records.put(key(concurrency, workload), cells=group, verify_cost=tables)
             cells += group
         return cells
 
@@ -317,11 +320,7 @@ def benchmark(params: Params, paths: BenchPaths, root: Path, log=print) -> dict:
 
     # A SIGTERM (a cancelled flow, a killed `dvc repro`) unwinds through the `with` blocks,
     # which stop the endpoint and free its port.
-    def on_term(signum, _frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
+    with exit_on_sigterm():
         target = load_target(paths.target, params.target.dtype, params.target.max_context)
         requests = build_requests(params, target, paths.prompts)
         single = None
@@ -330,18 +329,23 @@ def benchmark(params: Params, paths: BenchPaths, root: Path, log=print) -> dict:
             def single():
                 return hf_baseline(params, target, requests[params.benchmark.workload])
 
-        verify_cost: dict = {}
+        verify_costs: list[dict] = []
         records = bench_records(params, paths)
-        resumed = sum(1 for k in records.done if k.startswith("c="))  # an earlier run's cells
-        cells = measure(params, requests, paths, root, log, single, verify_cost, records)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        # An earlier, stopped run's cells (a cell is one mode's; each of these was measured
+        # side by side with the other modes of its concurrency and workload).
+        resumed = sum(len(r["cells"]) for r in records.done.values())
+        cells = measure(params, requests, paths, root, log, single, verify_costs, records)
     result = assemble(params, cells)
-    result["verify_cost"] = verify_cost  # {mode: {"tokens": [...], "ms": [...]}}
-    result["resumed_cells"] = resumed  # each with all its modes, measured side by side
+    # {mode: {"tokens": [...], "ms": [...]}} as profiled at the start that measured last;
+    # a resumed run's earlier starts profiled their own.
+    result["verify_cost"] = verify_costs[-1] if verify_costs else {}
+    if len(verify_costs) > 1:
+        result["verify_cost_earlier"] = verify_costs[:-1]
+    result["resumed_cells"] = resumed
     report.write_plots(result, paths.plots)
     report.write_report(result, paths.report)
     log(report.table(result))
+    records.clear()  # finished: a rerun (`dvc repro -f`) measures afresh
     return result
 
 

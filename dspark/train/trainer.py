@@ -230,6 +230,8 @@ class Trainer:
                         self._evaluate(eval_batches)
                 for b in range(first, len(plan)):
                     self._train_step(source.take(self.share(plan[b])), total)
+                    if self.stop:  # whoever reads our output may be gone: a write could fail
+                        bar.disable = True
                     bar.update(1)
                     if self.step % eval_every == 0 or self.step == total:
                         self._evaluate(eval_batches)

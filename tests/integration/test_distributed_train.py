@@ -9,6 +9,7 @@ draws the drafts differ by 2e-3 to 4e-3 after these 6 steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -397,6 +398,8 @@ def test_sigterm_to_the_whole_group_checkpoints_the_step_and_resumes(
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "no training step within 300 s"
             time.sleep(0.05)
+        started = _descendants(proc.pid)  # ranks, producers, the Mooncake master
+        assert len(started) >= 4
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=300)
     finally:
@@ -408,20 +411,26 @@ def test_sigterm_to_the_whole_group_checkpoints_the_step_and_resumes(
     step = read_state(paths.checkpoint)["step"]
     assert f"step {step} of 9;" in last and 1 <= step < 9
     assert not paths.drafts.exists()  # the stage did not finish: no drafts
-    assert not _in_session(proc.pid)  # ranks and producers alike
+    assert not [p for p in started if _running(p)]
 
     out = train(params, paths, progress=False)
     assert out["resumed_from_step"] == step and out["steps"] == 9
 
 
-def _in_session(sid: int) -> list[int]:
-    """Live processes whose session is `sid` (Linux)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            alive.append(int(stat.parent.name))
-    return alive
+def _descendants(pid: int) -> list[int]:
+    """`pid`'s children, their children and so on (Linux)."""
+    out, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(c) for c in (task / "children").read_text().split()]
+                out += kids
+                todo += kids
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

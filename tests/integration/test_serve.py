@@ -275,6 +275,21 @@ def bench_params(*extra):
     )
 
 
+class _Stop(Exception):
+    pass
+
+
+def _stop_at(marker: str, lines: list[str]):
+    """A log that keeps the lines and stops the stage at the first one containing `marker`."""
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if marker in line:
+            raise _Stop
+
+    return log
+
+
 def test_benchmark_stage(workdir, tmp_path):
     paths = BenchPaths(
         target=workdir / "artifacts" / "target",
@@ -285,9 +300,21 @@ def test_benchmark_stage(workdir, tmp_path):
         logs=tmp_path / "logs",
         records=tmp_path / "records",
     )
-    lines = []
+    # Stopped while measuring its last cell (c=2 mix), then after measuring everything: each
+    # rerun measures only what was not recorded, and the last one starts no endpoint at all.
+    first, second, lines = [], [], []
+    with pytest.raises(_Stop):
+        benchmark(bench_params(), paths, workdir, log=_stop_at("mix ", first))
+    with pytest.raises(_Stop):
+        benchmark(bench_params(), paths, workdir, log=_stop_at("predicted single-stream", second))
+    assert sum("recorded by an earlier run" in line for line in second) == 2
+    assert sum(" tok/s, TTFT p50 " in line for line in second) == 3  # the mix cell's modes
     result = benchmark(bench_params(), paths, workdir, log=lines.append)
-    assert result["resumed_cells"] == 0
+    assert lines[0] == "all 3 cells recorded by an earlier run: nothing to measure"
+    assert not any(" tok/s, TTFT p50 " in line for line in lines)
+    assert result["resumed_cells"] == 10  # none_hf and 3 modes at c=1, 3 at c=2, 3 mixed
+    assert not list((tmp_path / "records").glob("*.jsonl"))  # finished: nothing to resume
+
     cells = result["cells"]
     modes = {"none_hf", "none", "dspark_fixed", "dspark_adaptive"}
     assert {c["mode"] for c in cells} == modes
@@ -305,30 +332,14 @@ def test_benchmark_stage(workdir, tmp_path):
     crossover = result["crossover_concurrency"]
     assert crossover is None or crossover in (1, 2)
     assert set(result["overall"]) == {"none", "dspark_fixed", "dspark_adaptive"}
-    table = result["verify_cost"]["dspark_adaptive"]  # profiled at the endpoint's start
+    # Profiled at each start: the second start's table, and the first's for the cells it ran.
+    table = result["verify_cost"]["dspark_adaptive"]
     assert table["tokens"][0] == 1 and len(table["ms"]) == len(table["tokens"]) >= 2
+    assert [set(t) for t in result["verify_cost_earlier"]] == [{"dspark_adaptive"}]
     assert {"single_stream", "adaptive_loses_nowhere", "ttft_overhead"} <= set(result["goals"])
     assert (tmp_path / "plots" / "bench.png").stat().st_size > 0
     assert "tok/s" in (tmp_path / "report.md").read_text()
-    assert any("dspark_adaptive" in line for line in lines)
-
-    # Stopped before its last cell: a rerun measures only that one, side by side as before.
-    (record,) = (tmp_path / "records").glob("*.jsonl")
-    kept = record.read_text().splitlines()[:-1]
-    record.write_text("".join(f"{line}\n" for line in kept) + '{"key": "c=2 mix", "cel')
-    lines.clear()
-    again = benchmark(bench_params(), paths, workdir, log=lines.append)
-    assert again["resumed_cells"] == 2
-    assert sum("recorded by an earlier run" in line for line in lines) == 2
-    assert [c for c in again["cells"] if c["workload"] != "mix"] == [
-        c for c in cells if c["workload"] != "mix"
-    ]
-    assert {c["mode"] for c in again["cells"] if c["workload"] == "mix"} == modes - {"none_hf"}
-    # Everything recorded: no endpoint starts at all.
-    lines.clear()
-    assert benchmark(bench_params(), paths, workdir, log=lines.append)["cells"] == again["cells"]
-    assert lines[0] == "all 3 cells recorded by an earlier run: nothing to measure"
-    assert not any(" tok/s, TTFT p50 " in line for line in lines)  # nothing measured
+    assert any("dspark_adaptive" in line for line in first)
 
 
 def test_terminating_the_benchmark_stops_its_server(workdir, tmp_path):

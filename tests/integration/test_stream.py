@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -488,3 +489,65 @@ def test_stream_crosses_network_namespaces(tiny_target, tiny_target_dir, prepare
     finally:
         netns.down(spec)
     assert "dspt-train-0" not in netns.existing()
+
+
+EXTRACT = """
+import json, sys, time
+from pathlib import Path
+from dspark.config import Params
+from dspark.extract.stage import extract
+job = json.loads(sys.argv[1])
+def slowly(sample):
+    print("sample", sample.sample_id, flush=True)
+    time.sleep(0.5)
+extract(Params.model_validate(job["params"]), target_dir=Path(job["target"]),
+        shards_dir=Path(job["shards"]), out_dir=Path(job["out"]), progress=False,
+        on_sample=slowly)
+"""
+
+
+def _children(pid: int) -> list[int]:
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return [int(c) for t in tasks for c in (t / "children").read_text().split()]
+
+
+def test_sigterm_to_extract_stops_its_producers(tiny_target_dir, prepared, tmp_path):
+    """The producers sit in sessions of their own (a group signal must not take the stream from
+    under a checkpointing trainer), so extract itself must stop them when it is terminated."""
+    job = {
+        "params": stream_params("extract.mode=hybrid").model_dump(mode="json"),
+        "target": str(tiny_target_dir),
+        "shards": str(prepared),
+        "out": str(tmp_path / "hidden"),
+    }
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EXTRACT, json.dumps(job)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout.readline().startswith("sample ")
+        producers = [p for p in _children(proc.pid) if b"producer" in _cmdline(p)]
+        assert len(producers) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30  # well before they would give up on their own (60 s)
+    while any(map(_running, producers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_running, producers))
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -123,7 +123,8 @@ def test_group_stop_kills_a_group_that_ignores_sigterm():
     assert _gone(grandchild)
 
 
-# Checkpoints for a while after SIGTERM (as the trainer does), then exits 143.
+# Checkpoints for a while after SIGTERM (as the trainer does), talking a lot (more than a
+# pipe holds), then exits 143.
 CHECKPOINTS = """
 import signal, sys, time
 from pathlib import Path
@@ -132,15 +133,20 @@ signal.signal(signal.SIGTERM, lambda *_: asked.append(1))
 print("ready", flush=True)
 while not asked:
     time.sleep(0.01)
+for i in range(3000):
+    print("saving", "x" * 100, flush=True)
 time.sleep(1.0)
 Path(sys.argv[1]).write_text("saved")
 sys.exit(143)
 """
+# Runs it and dies of SIGTERM at once, as `dvc repro` does.
+WRAPPER = "import subprocess, sys; subprocess.call(sys.argv[1:])"
 
 
 def test_a_stage_run_is_given_its_grace_to_finish_when_the_caller_stops(tmp_path):
     """tasks.proc.run: whatever stops the caller (here `on_line` raising, as Prefect's
-    cancellation does) signals the child's group and waits `grace` before killing it."""
+    cancellation does) signals the child's group and waits `grace` for all of it, not just
+    the wrapper at its head, reading its output meanwhile; then kills what is left."""
 
     class Cancelled(Exception):
         pass
@@ -148,13 +154,13 @@ def test_a_stage_run_is_given_its_grace_to_finish_when_the_caller_stops(tmp_path
     def cancel(_line: str) -> None:
         raise Cancelled
 
-    for grace, saved in ((20.0, True), (0.2, False)):
+    for grace, saved in ((20.0, True), (0.3, False)):
         out = tmp_path / f"saved-{grace}"
+        stage = [sys.executable, "-c", CHECKPOINTS, str(out)]
+        t0 = time.monotonic()
         with pytest.raises(Cancelled):
             proc.run(
-                [sys.executable, "-c", CHECKPOINTS, str(out)],
-                cwd=tmp_path,
-                on_line=cancel,
-                grace=grace,
+                [sys.executable, "-c", WRAPPER, *stage], cwd=tmp_path, on_line=cancel, grace=grace
             )
         assert out.exists() == saved, f"grace {grace}"
+        assert time.monotonic() - t0 < grace + 10

@@ -78,3 +78,50 @@ def test_a_signal_the_process_ignores_stays_ignored():
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+# The stage: a stop request, a second of saving, exit 128 + the signal. A second signal
+# would end it at once, without "saved".
+STAGE = """
+import sys, time
+from pathlib import Path
+from dspark.stopping import on_signals
+with on_signals() as request:
+    print("ready", flush=True)
+    while not request:
+        time.sleep(0.01)
+    time.sleep(1.0)
+Path(sys.argv[1]).write_text("saved")
+sys.exit(128 + request.signum)
+"""
+# `dspark` moving onto a node's namespace, with the namespace left out.
+REEXEC = """
+import signal, sys
+from types import SimpleNamespace
+from dspark.infra import netns
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as if started from a terminal
+netns.namespace_cmd = lambda _ns, _argv: [sys.executable, "-c", sys.argv[1], sys.argv[2]]
+sys.exit(netns.reexec_on(SimpleNamespace(netns="node"), []))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stage_moved_into_a_namespace_gets_the_signal_once_and_time_to_save(sig, tmp_path):
+    """Ctrl-C or a cancelled flow signals the whole group of the `dspark` that re-ran itself
+    inside a namespace: the stage there must see it once (a second ends it unsaved) and be
+    waited for."""
+    saved = tmp_path / "saved"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", REEXEC, STAGE, str(saved)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        os.killpg(proc.pid, sig)
+        assert proc.wait(timeout=60) == 128 + sig
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert saved.read_text() == "saved"
