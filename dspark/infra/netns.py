@@ -145,7 +145,7 @@ def reexec_on(node: Node, argv: list[str]) -> int:
         return child.wait()
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, handler or signal.SIG_DFL)
 
 
 def namespace_cmd(netns: str, argv: list[str]) -> list[str]:
