@@ -16,11 +16,21 @@ from dspark.io import write_text
 PKG = Path(__file__).resolve().parent
 
 
-def fingerprint(basis: dict, files: list[Path], code: tuple[str, ...]) -> str:
-    """sha256 over a JSON basis, the files' contents and the modules of dspark/<code>/."""
+def code_files(deps: tuple[str, ...]) -> list[Path]:
+    """The library's own files among a stage's DVC deps (`dspark/...`, a package or a module):
+    the code its records depend on, the same files DVC hashes for the stage."""
+    files: list[Path] = []
+    for dep in deps:
+        if dep.startswith("dspark/"):
+            path = PKG.parent / dep
+            files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return files
+
+
+def fingerprint(basis: dict, files: list[Path], deps: tuple[str, ...]) -> str:
+    """sha256 over a JSON basis, the input files' contents and the code among `deps`."""
     h = hashlib.sha256(json.dumps(basis, sort_keys=True, default=str).encode())
-    modules = sorted(p for sub in code for p in PKG.glob(f"{sub}/*.py"))
-    for path in [*files, *modules]:
+    for path in [*files, *code_files(deps)]:
         h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()[:16]
 

@@ -1,5 +1,5 @@
 """The evaluate stage's records (dspark.records): every decode's outcome, timings included,
-keyed by prompt and method. The fingerprint covers the decoding code."""
+keyed by prompt and method. The fingerprint covers the code the stage's DVC deps name."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from dspark import records
 from dspark.decode.engine import RowTrace, Timing
 from dspark.records import Records
 
-CODE = ("decode", "evaluate", "models")
-
 __all__ = ["Records", "fingerprint", "from_fields", "trace_fields"]
 
 
 def fingerprint(basis: dict, files: list[Path]) -> str:
-    return records.fingerprint(basis, files, CODE)
+    from dspark.stages import BY_NAME  # the registry imports the stages lazily: no cycle
+
+    return records.fingerprint(basis, files, BY_NAME["evaluate"].deps)
 
 
 def trace_fields(trace: RowTrace, timing: Timing) -> dict:

@@ -87,6 +87,10 @@ def _num_layers(target_dir: Path) -> int:
     return int(json.loads((Path(target_dir) / "config.json").read_text())["num_hidden_layers"])
 
 
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
 @contextmanager
 def open_stream(
     params: Params,
@@ -98,12 +102,14 @@ def open_stream(
     workdir: Path | None = None,
     producer_overrides: Callable[[int], dict] | None = None,
     peers: Sequence[str] = (),
+    run_id: str | None = None,
 ) -> Iterator[StreamSetup]:
     """Start the transport (master, coordinator, producers); stop all of it on exit.
 
     `peers`: host:port of consumers' coordinators in other processes (the other trainer
     ranks, each listening for its own ids); the producers serve them too. This process is then
-    one consumer, of all of `sample_ids`."""
+    one consumer, of all of `sample_ids`. `run_id` names the stream (default: a fresh one);
+    the peers' coordinators must expect the same."""
     x = params.extract
     for key, value in MOONCAKE_ENV.items():
         os.environ.setdefault(key, value)
@@ -116,7 +122,7 @@ def open_stream(
             f"{trainer.netns}); run the stage through `dspark`, which moves there"
         )
     host = consumer_host(params)  # the consumer side: coordinators and the master
-    run_id = uuid.uuid4().hex[:12]
+    run_id = run_id or new_run_id()
     local = 1 if peers else x.consumers  # consumers in this process
     with ExitStack() as stack:
         scratch = Path(
@@ -130,6 +136,7 @@ def open_stream(
                 port=x.control_port + rank if x.control_port else 0,
                 max_in_flight=x.max_in_flight,
                 heartbeat_timeout=x.heartbeat_timeout,
+                run_id=run_id,
             )
             for rank in range(local)
         ]
@@ -273,6 +280,7 @@ def extract(
         "reassigned": sum(s.reassigned for s in stats),
         "resent_after_error": sum(s.resent_after_error for s in stats),
         "producers_lost": sum(s.producers_lost for s in stats),
+        "stale_turned_away": sum(s.stale_turned_away for s in stats),
         "tokens": tokens,
         "bytes_received": bytes_received,
         "mb_per_s": round(bytes_received / 1e6 / wall, 2),

@@ -40,7 +40,6 @@ from dspark.stopping import exit_on_sigterm
 
 SPECULATIVE = ("ngram", "eagle3", "dspark_fixed", "dspark_adaptive")
 # What decides a cell's figures besides params and inputs (the fingerprint of its records).
-RECORDED_CODE = ("serve", "engines", "decode", "evaluate", "models")
 READY_TIMEOUT_S = 900.0  # loading plus the adaptive mode's verify-cost profile
 
 
@@ -163,6 +162,7 @@ def cell_plan(params: Params) -> list[tuple[int, str]]:
 def bench_records(params: Params, paths: BenchPaths) -> Records:
     """The cells measured so far by a run with the same params, inputs and serving code."""
     from dspark.models.target import read_manifest
+    from dspark.stages import BY_NAME
 
     basis = {  # the stage's DVC params, and the target's weights
         "params": params.model_dump(
@@ -172,7 +172,8 @@ def bench_records(params: Params, paths: BenchPaths) -> Records:
         "target": read_manifest(paths.target),
     }
     drafted = sorted(paths.drafts.glob("*/*")) if paths.drafts.is_dir() else []
-    return Records(paths.records, fingerprint(basis, [*drafted, paths.prompts], RECORDED_CODE))
+    code = BY_NAME["benchmark"].deps
+    return Records(paths.records, fingerprint(basis, [*drafted, paths.prompts], code))
 
 
 def measure(

@@ -142,9 +142,10 @@ def rank_stream(
 ) -> Iterator[StreamConsumer]:
     """This rank's consumer of one stream: every rank listens for its own ids; rank 0 starts
     the master and producers for all of them and tells the others where the payloads are."""
-    from dspark.extract.stage import MOONCAKE_ENV, open_stream
+    from dspark.extract.stage import MOONCAKE_ENV, new_run_id, open_stream
 
     x = params.extract
+    run_id = ranks.broadcast(new_run_id() if ranks.leader else None)
     if ranks.leader:
         addresses = ranks.gather(None)[1:]
         with open_stream(
@@ -153,6 +154,7 @@ def rank_stream(
             shards_dir=shards_dir,
             sample_ids=ids,
             peers=addresses,
+            run_id=run_id,
         ) as stream:
             store = stream.store
             ranks.broadcast(stream.master.address if stream.master else str(store.folder))
@@ -166,6 +168,7 @@ def rank_stream(
         port=x.control_port + ranks.rank if x.control_port else 0,
         max_in_flight=x.max_in_flight,
         heartbeat_timeout=x.heartbeat_timeout,
+        run_id=run_id,
     )
     try:
         ranks.gather(coordinator.address)

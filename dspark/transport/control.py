@@ -2,9 +2,9 @@
 
 The consumer (one per trainer rank) runs the coordinator; producers connect to it.
 
-    producer -> coordinator   hello {producer}          ready {manifest}      heartbeat
+    producer -> coordinator   hello {producer, run_id}  ready {manifest}      heartbeat
                               failed {sample_id, error}
-    coordinator -> producer   assign {sample_ids}       ack {sample_id}       done
+    coordinator -> producer   assign {sample_ids}       ack {sample_id}       done {why?}
 
 Guarantees, all enforced here:
     credits        at most `max_in_flight` samples are assigned, stored or buffered at once,
@@ -16,6 +16,9 @@ Guarantees, all enforced here:
     liveness       a producer whose connection drops, or whose heartbeats stop for
                    `heartbeat_timeout` (SIGSTOP), is dropped and its samples re-assigned
     resume         `consumed` (from the trainer's checkpoint) is skipped entirely
+    one run        a producer of another run (a killed trainer's, still reconnecting to a fixed
+                   `extract.control_port`) is told `done` and never fed a sample: it may read
+                   other shards or layers
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class StreamStats:
     reassigned: int = 0
     resent_after_error: int = 0
     producers_lost: int = 0
+    stale_turned_away: int = 0  # producers of another run
     lost_at: list[float] = field(default_factory=list)  # time.monotonic() of each loss
 
 
@@ -105,8 +109,11 @@ class Coordinator:
         port: int = 0,
         max_in_flight: int = 8,
         heartbeat_timeout: float = 3.0,
+        run_id: str = "",
     ):
+        """`run_id`: the stream's; producers of any other are turned away ("": take any)."""
         warn_if_exposed(host, "the stream coordinator")
+        self.run_id = run_id
         self.order = sorted(set(sample_ids) - (consumed or set()))
         self.pending: deque[int] = deque(self.order)
         self._wanted = frozenset(self.order)  # a ready for anything else is released unused
@@ -150,6 +157,16 @@ class Coordinator:
         for msg in lines(sock):
             kind = msg.get("type")
             with self._cv:
+                if kind == "hello" and self.run_id and msg.get("run_id") != self.run_id:
+                    self.stats.stale_turned_away += 1
+                    log.warning(
+                        "turned away %s of run %s (this stream is run %s)",
+                        msg.get("producer"),
+                        msg.get("run_id"),
+                        self.run_id,
+                    )
+                    send(sock, threading.Lock(), {"type": "done", "why": "another run"})
+                    break
                 if kind == "hello":
                     peer = _Peer(msg["producer"], sock)
                     self._peers[peer.name] = peer

@@ -111,7 +111,7 @@ class Session:
         from dspark.transport.control import lines
 
         while True:
-            self.send({"type": "hello", "producer": self.cfg.name})
+            self.send({"type": "hello", "producer": self.cfg.name, "run_id": self.cfg.run_id})
             for msg in lines(self.sock):
                 if msg["type"] == "assign":
                     for sid in msg["sample_ids"]:
@@ -121,6 +121,13 @@ class Session:
                     if handle is not None:
                         self.store.delete(handle)
                 elif msg["type"] == "done":
+                    if "why" in msg:
+                        log.warning(
+                            "%s: the coordinator at %s says done: %s",
+                            self.cfg.name,
+                            self.address,
+                            msg["why"],
+                        )
                     self._release()
                     self.finished.set()
                     self.work.put(None)

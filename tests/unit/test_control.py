@@ -10,11 +10,11 @@ from dspark.transport.control import Coordinator
 
 
 class FakeProducer:
-    def __init__(self, address, name="fake"):
+    def __init__(self, address, name="fake", run_id=""):
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=5)
         self.buf = b""
-        self.send({"type": "hello", "producer": name})
+        self.send({"type": "hello", "producer": name, "run_id": run_id})
 
     def send(self, msg):
         self.sock.sendall((json.dumps(msg) + "\n").encode())
@@ -107,5 +107,20 @@ def test_silent_producer_is_dropped_and_its_work_reassigned():
             0,
             1,
         ]
+    finally:
+        coordinator.close()
+
+
+def test_a_producer_of_another_run_is_told_done_and_fed_nothing():
+    """A killed trainer's producers keep reconnecting to a fixed control port: a rerun's
+    coordinator there must not take samples from them (they may read other shards)."""
+    coordinator = Coordinator([0, 1], max_in_flight=2, run_id="new")
+    try:
+        stale = FakeProducer(coordinator.address, "stale", run_id="old")
+        assert stale.messages() == [{"type": "done", "why": "another run"}]
+        assert coordinator.stats.stale_turned_away == 1
+        fresh = FakeProducer(coordinator.address, "fresh", run_id="new")
+        assigned = [s for m in fresh.messages() if m["type"] == "assign" for s in m["sample_ids"]]
+        assert assigned == [0, 1]
     finally:
         coordinator.close()

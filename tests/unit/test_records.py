@@ -1,0 +1,48 @@
+"""A long stage's records: kept across a rerun with the same fingerprint, dropped otherwise, and
+fingerprinted by the same code files DVC hashes for the stage."""
+
+import json
+
+from dspark.records import PKG, Records, code_files, fingerprint
+from dspark.stages import BY_NAME
+
+
+def test_code_files_are_the_library_files_among_the_stage_deps():
+    files = code_files(("artifacts/target", "dspark/decode", "dspark/data/prompts.py"))
+    assert PKG / "data" / "prompts.py" in files
+    assert PKG / "decode" / "engine.py" in files
+    assert all(f.is_relative_to(PKG) for f in files)  # artifacts/ is data, not code
+    assert PKG / "data" / "prepare.py" not in files  # only the module named
+
+
+def test_every_module_a_recorded_stage_imports_for_its_outcomes_is_fingerprinted():
+    for stage in ("evaluate", "benchmark"):
+        names = {str(f.relative_to(PKG)) for f in code_files(BY_NAME[stage].deps)}
+        assert {"records.py", "data/prompts.py", "train/checkpoint.py"} <= names, stage
+
+
+def test_fingerprint_follows_the_basis_the_inputs_and_the_code(tmp_path):
+    draft = tmp_path / "w.safetensors"
+    draft.write_bytes(b"a")
+    deps = ("dspark/records.py",)
+    fp = fingerprint({"k": 1}, [draft], deps)
+    assert fp == fingerprint({"k": 1}, [draft], deps)
+    assert fp != fingerprint({"k": 2}, [draft], deps)
+    assert fp != fingerprint({"k": 1}, [draft], ("dspark/io.py",))
+    draft.write_bytes(b"b")
+    assert fp != fingerprint({"k": 1}, [draft], deps)
+
+
+def test_a_rerun_keeps_what_finished_and_a_new_fingerprint_drops_it(tmp_path):
+    first = Records(tmp_path, "aaaa")
+    first.put("x", v=1)
+    # A stop mid-write leaves a cut line: everything before it stands.
+    with first.path.open("a") as f:
+        f.write('{"key": "y", "v"')
+    again = Records(tmp_path, "aaaa")
+    assert set(again.done) == {"x"} and again.get("x")["v"] == 1 and again.replayed == 1
+    assert [json.loads(line)["key"] for line in again.path.read_text().splitlines()] == ["x"]
+    Records(tmp_path, "bbbb")
+    assert not (tmp_path / "aaaa.jsonl").exists()
+    again.clear()
+    assert not again.done
