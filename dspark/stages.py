@@ -32,6 +32,9 @@ EXPORT_DIR = "artifacts/export/dspark"
 TRAIN_CURVES = "plots/train_curves.csv"
 TRAIN_CURVES_PNG = "plots/train_curves.png"
 RUN_SUMMARY = "metrics/run.json"
+# The `full` profile's figures as that run wrote them (with its dvc.lock beside them): the ones
+# the README quotes. `dvc metrics show` lists them beside the working profile's.
+FULL_METRICS = tuple(f"metrics/full/{name}.json" for name in ("train", "eval", "bench", "run"))
 PREPARE_LENGTHS = "plots/prepare_lengths.csv"
 EVAL_PLOTS = "plots"
 EVAL_REPORT = "metrics/eval_report.md"
@@ -434,7 +437,7 @@ def dvc_yaml() -> str:
                 {p.path: {"cache": False, **({"x": p.x, "y": p.y} if p.x else {})}} for p in s.plots
             ]
         stages[s.name] = {k: v for k, v in entry.items() if v is not None}
-    doc = {"stages": stages, "metrics": [RUN_SUMMARY]}
+    doc = {"stages": stages, "metrics": [RUN_SUMMARY, *FULL_METRICS]}
     header = (
         "# Generated from dspark/stages.py by `dspark dvc-yaml`: edit the registry, not this.\n"
     )
