@@ -39,7 +39,6 @@ from dspark.serve.vllm_mode import VllmEndpoint
 from dspark.stopping import exit_on_sigterm
 
 SPECULATIVE = ("ngram", "eagle3", "dspark_fixed", "dspark_adaptive")
-# What decides a cell's figures besides params and inputs (the fingerprint of its records).
 READY_TIMEOUT_S = 900.0  # loading plus the adaptive mode's verify-cost profile
 
 
