@@ -27,7 +27,7 @@ def _read_events(reads: list[bytes]) -> list[tuple[float, str]]:
 
 
 def test_events_split_across_reads_share_the_time_of_the_read_that_completed_them():
-    events = _read_events([b'data: {"a"', b': 1}\r\n\r\ndata: 2\n\ndata: 3\n', b"\ndata: [DONE]"])
+    events = _read_events([b'data: {"a"', b": 1}\r\n\r\ndata: 2\n\ndata: 3\n", b"\ndata: [DONE]"])
     assert [data for _, data in events] == ['{"a": 1}', "2", "3", "[DONE]"]
     times = [t for t, _ in events]
     assert times[0] == times[1] == times[2]  # all three completed by the second read
