@@ -451,6 +451,11 @@ class BenchmarkConfig(Section):
     noise: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(
         0.05, description="relative tolerance of the `adaptive loses nowhere` goal"
     )
+    rounds: PosInt = Field(
+        1,
+        description="each cell's modes are measured this many times, the order rotated each "
+        "round; figures are medians over rounds, ratios medians of same-round ratios",
+    )
 
     @model_validator(mode="after")
     def _band(self):

@@ -58,17 +58,55 @@ class DraftProposer(Proposer):
 
 
 class DSparkProposer(DraftProposer):
+    """While `holding` (drafts are rare: `dspark_adaptive` where they do not pay), `extend`
+    only keeps the new positions' features, up to `held` per row, and `propose` first turns
+    them into cache entries in one batched pass instead of a small, overhead-bound one per
+    step."""
+
     name = "dspark"
 
-    def __init__(self, model: DSparkDraft, draft_ids: torch.Tensor):
+    def __init__(self, model: DSparkDraft, draft_ids: torch.Tensor, held: int = 128):
         super().__init__(model, draft_ids, model.cfg.block_size)
+        self.held = held
 
     def start(self, batch, slots):
         self.cache = [self.new_kv(batch, slots) for _ in self.model.layers]
+        width = len(self.taps) * self.model.cfg.layer.hidden_size
+        self.held_aux = self.model.fc.weight.new_zeros(batch, self.held, width)  # [B, W, L*H]
+        self.held_from = torch.zeros(batch, dtype=torch.long)  # the first held position
+        self.held_count = torch.zeros(batch, dtype=torch.long)
 
     @torch.no_grad()
     def extend(self, seq, start, count, feats, rows=ALL):
         aux = torch.cat([feats[i] for i in self.taps], dim=-1)  # [B, T, L*H]
+        if not self.holding or aux.shape[1] > self.held:  # (a prompt longer than the store)
+            self.flush()  # held entries first: the rows' new ones may overwrite them
+            self._write(aux, start, count, rows)
+            return
+        held_from, held_count = self.held_from[rows], self.held_count[rows]
+        # A row's held positions must run on into the new ones (a row given a new request
+        # starts again at 0), and fit.
+        gaining = count > 0
+        broken = gaining & (held_count > 0) & (held_from + held_count != start)
+        if bool(broken.any()) or int((held_count + count).max()) > self.held:
+            self.flush()
+        offset = held_count[:, None] + torch.arange(aux.shape[1])  # [B, T]
+        keep = torch.arange(aux.shape[1])[None, :] < count[:, None]
+        b_idx = torch.arange(aux.shape[0])[:, None].expand_as(offset)
+        self.held_aux[rows][b_idx[keep], offset[keep]] = aux[keep]
+        held_from.copy_(torch.where(gaining & (held_count == 0), start, held_from))
+        held_count += count
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Every held position into the cache."""
+        width = int(self.held_count.max()) if self.held_count.numel() else 0
+        if width == 0:
+            return
+        self._write(self.held_aux[:, :width], self.held_from, self.held_count, ALL)
+        self.held_count.zero_()
+
+    def _write(self, aux, start, count, rows):
         positions, _, write = _slots(start, count, aux.shape[1], self.scratch)
         s = self.model.cfg.layer
         rope = rope_cos_sin(positions, s.head_dim, s.rope_theta)
@@ -81,6 +119,7 @@ class DSparkProposer(DraftProposer):
 
     @torch.no_grad()
     def propose(self, seq, n, active, sampling: Sampling, gen, rows=ALL):
+        self.flush()
         m = self.model
         b = seq.shape[0]
         span = int(n.max())

@@ -39,6 +39,9 @@ class Proposer:
     name = "none"
     k = 0  # the most tokens it drafts per step
     taps: tuple[int, ...] = ()  # target layers whose outputs it reads
+    # A hint from whoever drives it: drafts are rare for now, so work `extend` would do every
+    # step may wait for the next `propose` (DSpark's context cache does).
+    holding: bool = False
 
     def start(self, batch: int, slots: int) -> None:
         """A new batch of rows with `slots` positions each."""

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,7 @@ from dspark.procs import stop_processes
 from dspark.records import Records, fingerprint
 from dspark.serve import report
 from dspark.serve.client import summarize
+from dspark.serve.rounds import merge_rounds, paired_ratio, per_round, rotated, round_max, spread
 from dspark.serve.vllm_mode import MODE as VLLM_MODE
 from dspark.serve.vllm_mode import VllmEndpoint
 from dspark.stopping import exit_on_sigterm
@@ -192,6 +194,9 @@ def measure(
     verify-cost tables the endpoints profiled at start ({mode: table}) go into `verify_costs`,
     one entry per start that measured cells.
 
+    With `benchmark.rounds` above 1, each cell's modes are measured that many times, each
+    round in a rotated order, and merged (`rounds.merge_rounds`).
+
     With `records`, each cell is recorded once all its modes are measured (with the tables it
     ran under), and a rerun replays the recorded ones: a stopped benchmark goes on at the first
     cell it had not finished, and every cell's modes were still measured side by side."""
@@ -240,17 +245,22 @@ def measure(
                 cells += done[key(concurrency, workload)]["cells"]
                 log(f"c={concurrency:<3d} {workload:15s} recorded by an earlier run")
                 continue
-            group = []
-            if single and (concurrency, workload) == (1, cfg.workload):
-                group.append(single())
-                log(f"{'none_hf':16s} c=1   {workload:15s} {group[-1]['tok_s']} tok/s")
-            for ep in endpoints:
-                group.append(run_cell(ep, concurrency, workload, params, requests, tmp))
-                x = group[-1]
-                log(
-                    f"{ep.mode:16s} c={concurrency:<3d} {workload:15s} {x['tok_s']} tok/s, "
-                    f"TTFT p50 {x['ttft_p50_ms']} ms, tau {x['tau']}"
-                )
+            rounds = []
+            for i in range(cfg.rounds):
+                tag = f"round {i + 1}/{cfg.rounds}: " if cfg.rounds > 1 else ""
+                group = []
+                if single and (concurrency, workload) == (1, cfg.workload):
+                    group.append(single())
+                    log(f"{tag}{'none_hf':16s} c=1   {workload:15s} {group[-1]['tok_s']} tok/s")
+                for ep in rotated(endpoints, i):
+                    group.append(run_cell(ep, concurrency, workload, params, requests, tmp))
+                    x = group[-1]
+                    log(
+                        f"{tag}{ep.mode:16s} c={concurrency:<3d} {workload:15s} "
+                        f"{x['tok_s']} tok/s, TTFT p50 {x['ttft_p50_ms']} ms, tau {x['tau']}"
+                    )
+                rounds.append(group)
+            group = merge_rounds(rounds)
             if records:
                 records.put(key(concurrency, workload), cells=group, verify_cost=tables)
             cells += group
@@ -369,15 +379,15 @@ def assemble(params: Params, cells: list[dict]) -> dict:
         x = _cell(cells, mode, c, workload)
         return x["tok_s"] if x else None
 
+    def rounds(mode, c, workload=w):
+        return per_round(_cell(cells, mode, c, workload))
+
     def baseline(c, workload=w):
-        """The fastest target-only path at this concurrency."""
-        vals = [tok_s(m, c, workload) for m in ("none", "none_hf")]
-        vals = [v for v in vals if v]
-        return max(vals) if vals else None
+        """The fastest target-only path at this concurrency, round by round."""
+        return round_max(*(rounds(m, c, workload) for m in ("none", "none_hf")))
 
     for x in cells:
-        base = baseline(x["concurrency"], x["workload"])
-        x["speedup"] = round(x["tok_s"] / base, 3) if base and x["tok_s"] else None
+        x["speedup"] = paired_ratio(per_round(x), baseline(x["concurrency"], x["workload"]))
 
     # Predicted single-stream speedup: tau x (none's step time / the mode's step time).
     predicted = {}
@@ -394,8 +404,8 @@ def assemble(params: Params, cells: list[dict]) -> dict:
     crossover = None
     if "dspark_fixed" in cfg.modes and "none" in cfg.modes:
         for c in conc:
-            f, base = tok_s("dspark_fixed", c), baseline(c)
-            if f is not None and base is not None and f < base:
+            fixed = _cell(cells, "dspark_fixed", c, w)
+            if fixed and fixed["speedup"] is not None and fixed["speedup"] < 1:
                 crossover = c
                 break
 
@@ -415,11 +425,11 @@ def assemble(params: Params, cells: list[dict]) -> dict:
         "predicted_speedup_c1": predicted.get(best) if best else None,
         "predicted_speedup_c1_by_mode": predicted,
         "crossover_concurrency": crossover,
-        "goals": goals(cfg, cells, conc, baseline, tok_s, best, predicted),
+        "goals": goals(cfg, cells, conc, rounds, baseline, best, predicted),
     }
 
 
-def goals(cfg, cells, conc, baseline, tok_s, best, predicted) -> dict:
+def goals(cfg, cells, conc, rounds, baseline, best, predicted) -> dict:
     w = cfg.workload
     out: dict = {}
     if best:
@@ -436,15 +446,17 @@ def goals(cfg, cells, conc, baseline, tok_s, best, predicted) -> dict:
     if "dspark_adaptive" in cfg.modes:
         rows = []
         for c in conc:
-            a = tok_s("dspark_adaptive", c)
-            rivals = [v for v in (tok_s("dspark_fixed", c), baseline(c)) if v]
-            if a is not None and rivals:
+            best_other = round_max(rounds("dspark_fixed", c), baseline(c))
+            ratio = paired_ratio(rounds("dspark_adaptive", c), best_other)
+            if ratio is not None:
                 rows.append(
                     {
                         "concurrency": c,
-                        "adaptive": a,
-                        "best_other": max(rivals),
-                        "met": a >= (1 - cfg.noise) * max(rivals),
+                        "adaptive": _cell(cells, "dspark_adaptive", c, w)["tok_s"],
+                        "best_other": statistics.median(best_other),
+                        "ratio": ratio,
+                        "none_spread": spread(rounds("none", c)),
+                        "met": ratio >= 1 - cfg.noise,
                     }
                 )
         out["adaptive_loses_nowhere"] = {"cells": rows, "met": all(r["met"] for r in rows)}

@@ -214,6 +214,8 @@ class ServeEngine:
         was_active = self.rows.active[span].clone()
         sched = self.scheduler
         drafting = sched is None or sched.wants_draft()
+        # Where drafting does not pay, the draft's per-step context work waits for the probes.
+        self.decoder.proposer.holding = sched is not None and not sched.pays
         st = self.decoder.step(
             self.rows,
             self.sampling,

@@ -62,9 +62,15 @@ def goal_lines(g: dict) -> list[str]:
     if "adaptive_loses_nowhere" in g:
         s = g["adaptive_loses_nowhere"]
         lost = [r["concurrency"] for r in s["cells"] if not r["met"]]
+        worst = min(s["cells"], key=lambda r: r["ratio"], default=None)
+        moved = [r["none_spread"] for r in s["cells"] if r.get("none_spread") is not None]
+        detail = f"; worst {worst['ratio']}x at c={worst['concurrency']}" if worst else ""
+        if moved:
+            detail += f"; none moved up to {100 * max(moved):.0f}% between rounds"
         out.append(
             "goal adaptive >= max(fixed, none) at every concurrency: "
             + ("met" if s["met"] else f"NOT met at c = {lost}")
+            + detail
         )
     s = g.get("ttft_overhead")
     if s and s["cells"]:

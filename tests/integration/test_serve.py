@@ -302,14 +302,21 @@ def test_benchmark_stage(workdir, tmp_path):
     )
     # Stopped while measuring its last cell (c=2 mix), then after measuring everything: each
     # rerun measures only what was not recorded, and the last one starts no endpoint at all.
+    # Two rounds: each cell's modes twice, the second time starting from the next mode.
+    params = bench_params("benchmark.rounds=2")
     first, second, lines = [], [], []
     with pytest.raises(_Stop):
-        benchmark(bench_params(), paths, workdir, log=_stop_at("mix ", first))
+        benchmark(params, paths, workdir, log=_stop_at("mix ", first))
     with pytest.raises(_Stop):
-        benchmark(bench_params(), paths, workdir, log=_stop_at("predicted single-stream", second))
+        benchmark(params, paths, workdir, log=_stop_at("predicted single-stream", second))
     assert sum("recorded by an earlier run" in line for line in second) == 2
-    assert sum(" tok/s, TTFT p50 " in line for line in second) == 3  # the mix cell's modes
-    result = benchmark(bench_params(), paths, workdir, log=lines.append)
+    measured = [line.split()[:3] for line in second if " tok/s, TTFT p50 " in line]
+    assert measured == [  # the mix cell's modes, in each round's order
+        ["round", "1/2:", "none"], ["round", "1/2:", "dspark_fixed"],
+        ["round", "1/2:", "dspark_adaptive"], ["round", "2/2:", "dspark_fixed"],
+        ["round", "2/2:", "dspark_adaptive"], ["round", "2/2:", "none"],
+    ]  # fmt: skip
+    result = benchmark(params, paths, workdir, log=lines.append)
     assert lines[0] == "all 3 cells recorded by an earlier run: nothing to measure"
     assert not any(" tok/s, TTFT p50 " in line for line in lines)
     assert result["resumed_cells"] == 10  # none_hf and 3 modes at c=1, 3 at c=2, 3 mixed
@@ -322,8 +329,9 @@ def test_benchmark_stage(workdir, tmp_path):
     assert sorted((c["concurrency"], c["workload"]) for c in sweep if c["mode"] == "none") == [
         (1, "math_reasoning"), (2, "math_reasoning"), (2, "mix"),
     ]  # fmt: skip
+    assert all(len(c["tok_s_rounds"]) == 2 for c in cells)
     for c in sweep:
-        assert c["errors"] == 0 and c["requests"] >= 2 and c["tokens"] > 0
+        assert c["errors"] == 0 and c["requests"] >= 4 and c["tokens"] > 0
         for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tau"):
             assert c[key] is not None and c[key] > 0, (c["mode"], key)
         assert c["tau"] >= 1.0 and 0 <= c["draft_share"] < 1

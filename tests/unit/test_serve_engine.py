@@ -188,3 +188,41 @@ def test_step_trims_the_verify_width_to_the_longest_draft(llama, varied, prompts
                 rows.active[r] = False
     for g, want in zip(got, reference, strict=True):
         assert g[: len(want)] == want
+
+
+def test_held_context_drafts_as_the_eager_one(llama, varied, prompts):
+    """DSpark holds each step's features and builds their cache entries only when it drafts.
+    Drafting now and then, with rows of ragged lengths, a row given a new request mid-way and
+    prompts longer than the store, it drafts what a proposer writing every step does."""
+    from dspark.decode.sampling import GREEDY
+
+    dspark, _ = tiny_drafts(varied)
+    gen = torch.Generator().manual_seed(0)
+    long_prompt = torch.randint(10, varied.vocab_size, (20,), generator=gen).tolist()
+    runs = []
+    for holding in (False, True):  # False: every extend writes its entries at once
+        prop = DSparkProposer(*dspark, held=5)
+        prop.holding = holding
+        dec = SpecDecoder(llama, prop, varied.eos_token_id, max_context=2048)
+        rows = dec.new_rows(3, 96)
+        g = torch.Generator().manual_seed(0)
+        for r, p in enumerate(prompts[:2]):
+            dec.admit(rows, r, p, GREEDY, g)
+        seen = []
+        for step in range(12):
+            if step == 3:
+                dec.admit(rows, 2, long_prompt, GREEDY, g)  # 20 positions > the store's 5
+            if step == 6:
+                rows.active[0] = False  # row 0's request ends; a new one takes the row
+                dec.admit(rows, 0, prompts[2], GREEDY, g)
+            st = dec.step(rows, GREEDY, g, draft=step % 3 == 2)
+            seen.append((st.tokens.clone(), st.count.clone(), st.confidence))
+        runs.append(seen)
+    drafted = 0
+    for (tok_a, count_a, conf_a), (tok_b, count_b, conf_b) in zip(*runs, strict=True):
+        assert torch.equal(count_a, count_b) and torch.equal(tok_a, tok_b)
+        assert (conf_a is None) == (conf_b is None)
+        if conf_a is not None:
+            drafted += 1
+            torch.testing.assert_close(conf_a, conf_b, rtol=0, atol=1e-5)
+    assert drafted == 4

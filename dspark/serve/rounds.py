@@ -1,0 +1,83 @@
+"""A benchmark cell measured in rounds: each round runs every mode once, the modes in a rotated
+order, so no mode always runs first (a cold machine) or last (a drifted one). On this shared
+2-core machine one mode's step time moves 15% between loads; a ratio of two modes measured in
+the same round moves much less, so ratios are medians of same-round ratios, never ratios of
+medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+SUMMED = ("requests", "errors", "tokens", "steps", "wall_s")
+PER_STEP = ("draft_ms", "verify_ms")  # averaged over all rounds' steps
+KEYS = ("mode", "concurrency", "workload")
+
+
+def rotated(items: list, turn: int) -> list:
+    """`items` starting at index turn (mod len): round i's order."""
+    i = turn % len(items) if items else 0
+    return items[i:] + items[:i]
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Per-round cells (one list per round, a cell per mode) -> one cell per mode, in the first
+    round's order, with the medians of its figures and `tok_s_rounds`, its throughput per round
+    (round i at index i, for same-round ratios)."""
+    by_mode: dict[str, list[dict]] = {}
+    for group in rounds:
+        for x in group:
+            by_mode.setdefault(x["mode"], []).append(x)
+    return [_merge(xs) for xs in by_mode.values()]
+
+
+def _merge(xs: list[dict]) -> dict:
+    out = dict(xs[0])
+    steps = sum(x.get("steps") or 0 for x in xs)
+    for key in xs[0]:
+        vals = [x[key] for x in xs if x.get(key) is not None]
+        if key in KEYS or not all(isinstance(v, int | float) for v in vals):
+            continue
+        if key in SUMMED:
+            out[key] = round(sum(vals), 3) if key == "wall_s" else sum(vals)
+        elif key in PER_STEP:
+            total = sum(x[key] * x["steps"] for x in xs if x.get(key) is not None)
+            out[key] = round(total / steps, 2) if steps else None
+        else:
+            out[key] = statistics.median(vals) if vals else None
+    if out.get("draft_ms") is not None and out.get("verify_ms") is not None:
+        spent = out["draft_ms"] + out["verify_ms"]
+        out["draft_share"] = round(out["draft_ms"] / spent, 4) if spent > 0 else None
+    out["tok_s_rounds"] = [x["tok_s"] for x in xs]
+    return out
+
+
+def per_round(cell: dict | None) -> list[float] | None:
+    """A cell's throughput per round (one round for a cell measured before rounds existed)."""
+    if cell is None or cell.get("tok_s") is None:
+        return None
+    return cell.get("tok_s_rounds") or [cell["tok_s"]]
+
+
+def round_max(*series: list[float] | None) -> list[float] | None:
+    """Round by round, the best of several modes' throughputs (the modes present)."""
+    present = [s for s in series if s]
+    if not present:
+        return None
+    n = min(len(s) for s in present)
+    return [max(s[i] for s in present) for i in range(n)]
+
+
+def paired_ratio(mine: list[float] | None, theirs: list[float] | None) -> float | None:
+    """The median over rounds of mine / theirs measured in the same round."""
+    if not mine or not theirs:
+        return None
+    ratios = [a / b for a, b in zip(mine, theirs, strict=False) if b]
+    return round(statistics.median(ratios), 3) if ratios else None
+
+
+def spread(series: list[float] | None) -> float | None:
+    """(max - min) / median over rounds: how far the machine moved one mode (None for one)."""
+    if not series or len(series) < 2:
+        return None
+    return round((max(series) - min(series)) / statistics.median(series), 3)

@@ -1,0 +1,112 @@
+"""The benchmark's rounds: merging a cell's rounds, and ratios taken within a round."""
+
+from pathlib import Path
+
+import pytest
+
+from dspark.config import load_params
+from dspark.serve.bench import assemble
+from dspark.serve.report import goal_lines
+from dspark.serve.rounds import merge_rounds, paired_ratio, rotated, round_max, spread
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cell(mode, tok_s, c=1, steps=10, draft_ms=1.0, verify_ms=9.0, **more):
+    return {
+        "mode": mode,
+        "concurrency": c,
+        "workload": "math_reasoning",
+        "requests": 2,
+        "errors": 0,
+        "tokens": 100,
+        "wall_s": 1.5,
+        "tok_s": tok_s,
+        "ttft_p50_ms": 10.0 * tok_s,
+        "itl_p50_ms": None,
+        "tau": 1.0,
+        "steps": steps,
+        "draft_ms": draft_ms,
+        "verify_ms": verify_ms,
+        "draft_share": draft_ms / (draft_ms + verify_ms),
+        **more,
+    }
+
+
+def test_each_round_starts_at_the_next_mode():
+    modes = ["a", "b", "c"]
+    assert [rotated(modes, i) for i in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"],
+    ]  # fmt: skip
+    assert rotated([], 3) == []
+
+
+def test_merged_cell_has_medians_sums_and_step_weighted_costs():
+    rounds = [
+        [_cell("none", 10.0), _cell("dspark", 20.0, steps=10, draft_ms=2.0)],
+        [_cell("dspark", 30.0, steps=30, draft_ms=6.0), _cell("none", 12.0)],  # rotated
+        [_cell("none", 50.0), _cell("dspark", 25.0, steps=10, draft_ms=2.0)],
+    ]
+    none, dspark = merge_rounds(rounds)
+    assert (none["mode"], dspark["mode"]) == ("none", "dspark")  # the first round's order
+    assert none["tok_s"] == 12.0 and none["ttft_p50_ms"] == 120.0  # medians, not means
+    assert none["tok_s_rounds"] == [10.0, 12.0, 50.0]  # round i at index i
+    assert dspark["tok_s_rounds"] == [20.0, 30.0, 25.0]
+    assert (none["requests"], none["tokens"], none["steps"], none["wall_s"]) == (6, 300, 30, 4.5)
+    assert dspark["draft_ms"] == pytest.approx((20 + 180 + 20) / 50)  # over all 50 steps
+    assert dspark["draft_share"] == pytest.approx(4.4 / 13.4, abs=1e-4)
+    assert none["itl_p50_ms"] is None and none["mode"] == "none"
+
+
+def test_one_round_changes_nothing_but_adds_its_series():
+    cell = _cell("none", 10.0)
+    (merged,) = merge_rounds([[cell]])
+    assert merged == {**cell, "tok_s_rounds": [10.0]}
+
+
+def test_ratios_pair_rounds():
+    assert paired_ratio([98.0, 70.0, 97.0], [100.0, 100.0, 100.0]) == 0.97
+    assert paired_ratio([10.0], [20.0]) == 0.5
+    assert paired_ratio(None, [1.0]) is None
+    assert round_max([1.0, 5.0], None, [3.0, 2.0]) == [3.0, 5.0]
+    assert round_max(None) is None
+    assert spread([90.0, 100.0, 110.0]) == 0.2
+    assert spread([90.0]) is None
+
+
+def test_a_burst_in_one_round_does_not_decide_the_adaptive_goal():
+    params = load_params(
+        ROOT / "params.yaml",
+        overrides=[
+            "benchmark.modes=[none, dspark_fixed, dspark_adaptive]",
+            "benchmark.concurrency=[1]",
+            "benchmark.mixed_concurrency=null",
+            "benchmark.rounds=3",
+        ],
+    )
+    # Round 2 ran adaptive through a neighbour's burst: 70 against 100. Its median throughput
+    # (97) over none's median (100) is within the 5% noise, and so is the same-round ratio.
+    rounds = [
+        [_cell("none", 100.0), _cell("dspark_fixed", 50.0), _cell("dspark_adaptive", 98.0)],
+        [_cell("dspark_fixed", 50.0), _cell("dspark_adaptive", 70.0), _cell("none", 101.0)],
+        [_cell("dspark_adaptive", 97.0), _cell("none", 99.0), _cell("dspark_fixed", 50.0)],
+    ]
+    result = assemble(params, merge_rounds(rounds))
+    goal = result["goals"]["adaptive_loses_nowhere"]
+    (row,) = goal["cells"]
+    assert row["ratio"] == 0.98  # the median of 98/100, 70/101 and 97/99
+    assert row["met"] and goal["met"]
+    assert row["none_spread"] == 0.02
+    by_mode = {x["mode"]: x for x in result["cells"]}
+    assert by_mode["dspark_fixed"]["speedup"] == 0.5
+    assert result["crossover_concurrency"] == 1
+    line = next(x for x in goal_lines(result["goals"]) if x.startswith("goal adaptive"))
+    assert "met; worst 0.98" in line and "none moved up to 2% between rounds" in line
+
+    # A loss in every round is a loss.
+    for group in rounds:
+        for x in group:
+            if x["mode"] == "dspark_adaptive":
+                x["tok_s"] = 90.0
+    goal = assemble(params, merge_rounds(rounds))["goals"]["adaptive_loses_nowhere"]
+    assert not goal["met"] and goal["cells"][0]["ratio"] == pytest.approx(0.9, abs=0.01)
