@@ -1,7 +1,8 @@
 """A benchmark cell measured in rounds: each round runs every mode once, the modes in a rotated
 order, so no mode always runs first (a cold machine) or last (a drifted one). On this shared
-2-core machine one mode's step time moves 15% between loads; a ratio of two modes measured in
-the same round moves much less, so ratios are medians of same-round ratios, never ratios of
+2-core machine one mode's throughput moved up to 23% between rounds of the full profile. Two
+modes measured in one round share that round's drift, and the median over rounds sets aside a
+burst that hit one mode's run, so ratios are medians of same-round ratios, never ratios of
 medians.
 """
 
