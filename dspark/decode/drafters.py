@@ -75,6 +75,7 @@ class DSparkProposer(DraftProposer):
         self.held_aux = self.model.fc.weight.new_zeros(batch, self.held, width)  # [B, W, L*H]
         self.held_from = torch.zeros(batch, dtype=torch.long)  # the first held position
         self.held_count = torch.zeros(batch, dtype=torch.long)
+        self._holds = False  # any held position: spares a step that holds none a tensor check
 
     @torch.no_grad()
     def extend(self, seq, start, count, feats, rows=ALL):
@@ -96,15 +97,18 @@ class DSparkProposer(DraftProposer):
         self.held_aux[rows][b_idx[keep], offset[keep]] = aux[keep]
         held_from.copy_(torch.where(gaining & (held_count == 0), start, held_from))
         held_count += count
+        self._holds = True
 
     @torch.no_grad()
     def flush(self) -> None:
         """Every held position into the cache."""
-        width = int(self.held_count.max()) if self.held_count.numel() else 0
-        if width == 0:
+        if not self._holds:
             return
-        self._write(self.held_aux[:, :width], self.held_from, self.held_count, ALL)
+        width = int(self.held_count.max())
+        if width:
+            self._write(self.held_aux[:, :width], self.held_from, self.held_count, ALL)
         self.held_count.zero_()
+        self._holds = False
 
     def _write(self, aux, start, count, rows):
         positions, _, write = _slots(start, count, aux.shape[1], self.scratch)

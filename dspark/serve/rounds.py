@@ -54,10 +54,9 @@ def _merge(xs: list[dict]) -> dict:
 
 
 def per_round(cell: dict | None) -> list[float] | None:
-    """A cell's throughput per round (one round for a cell measured before rounds existed)."""
-    if cell is None or cell.get("tok_s") is None:
-        return None
-    return cell.get("tok_s_rounds") or [cell["tok_s"]]
+    """A merged cell's throughput per round (None without a cell, or if a round has none)."""
+    series = None if cell is None else cell.get("tok_s_rounds")
+    return None if not series or None in series else series
 
 
 def round_max(*series: list[float] | None) -> list[float] | None:
