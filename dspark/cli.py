@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -80,7 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--host", help="bind address (default: serve.host, loopback)")
     e.add_argument("--port", type=int, help="port (default: serve.port)")
-    e.add_argument("--resolved", type=Path, help=argparse.SUPPRESS)  # the benchmark's params
 
     sv = sub.add_parser("services", help="start, stop or list the spec's services (by PID)")
     sv.add_argument("action", choices=("up", "down", "status"))
@@ -172,19 +170,10 @@ def _run_stages(args: argparse.Namespace, names: list[str]) -> None:
 
 def _endpoint(args: argparse.Namespace) -> int:
     from dspark import stages
-    from dspark.config import Params
     from dspark.errors import ConfigError
     from dspark.serve.server import serve
 
-    if args.resolved:  # exactly the params the benchmark stage resolved, overrides and all
-        import json
-
-        try:
-            params = Params.model_validate(json.loads(args.resolved.read_text()))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{args.resolved}: {str(e).splitlines()[0]}") from None
-    else:
-        params = _load(args)
+    params = _load(args)
     root = Path.cwd()
     host = args.host or params.serve.host
     port = params.serve.port if args.port is None else args.port
@@ -272,9 +261,13 @@ def main(argv: list[str] | None = None) -> int:
 
             _run_stages(args, [s.name for s in STAGES])
         elif args.command == "serve":
-            # Prefect lives at the edge: the library only starts its process.
+            # Prefect lives at the edge: the library only starts its process, in this one's
+            # place (same PID), so a SIGTERM for `dspark serve` reaches flows.serve, which
+            # stops the worker and its flow runs with it.
             env = {**os.environ, "DSPARK_POOL": args.pool}
-            return subprocess.call([sys.executable, "-m", "flows.serve"], env=env)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execve(sys.executable, [sys.executable, "-m", "flows.serve"], env)
         elif args.command == "endpoint":
             return _endpoint(args)
         elif args.command == "dvc-yaml":

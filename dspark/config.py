@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -273,6 +274,18 @@ class Eagle3DraftConfig(Section):
     optim: OptimConfig = OptimConfig()
 
 
+# The Markov ablation (train.markov_ablation): DSpark drafts trained beside the main one, by
+# draft name, with what each changes in train.dspark. The train stage, evaluate and the train
+# stage's MLflow children all read this one table.
+MARKOV_ABLATION: MappingProxyType[str, MappingProxyType[str, Any]] = MappingProxyType(
+    {
+        "dspark_gated": MappingProxyType({"markov_head": "gated"}),
+        "dspark_rnn": MappingProxyType({"markov_head": "rnn"}),
+        "dspark_rank0": MappingProxyType({"markov_rank": 0}),
+    }
+)
+
+
 class TrainConfig(Section):
     drafts: list[Literal["dspark", "eagle3"]] = Field(
         ["dspark", "eagle3"], min_length=1, description="drafts trained side by side"
@@ -362,6 +375,17 @@ class LmEvalConfig(Section):
     )
 
 
+class EvalGoals(Section):
+    """Issue 5's goals on the nine-category mean tau (judged on the full profile)."""
+
+    dspark_over_eagle3: Annotated[float, Field(gt=0.0)] = Field(
+        1.15, description="DSpark's mean tau over EAGLE-3's, at least"
+    )
+    dspark_over_ngram: Annotated[float, Field(gt=0.0)] = Field(
+        1.5, description="DSpark's mean tau over the best n-gram window's, at least"
+    )
+
+
 class EvaluateConfig(Section):
     methods: list[Literal["dspark", "eagle3", "ngram", "none"]] = Field(
         ["dspark", "eagle3", "ngram", "none"], min_length=1
@@ -385,6 +409,7 @@ class EvaluateConfig(Section):
         True, description="compare every greedy output with transformers' greedy generate"
     )
     lm_eval: LmEvalConfig = LmEvalConfig()
+    goals: EvalGoals = EvalGoals()
     seed: int = 0
 
 
@@ -421,6 +446,21 @@ class ServeConfig(Section):
 Mode = Literal["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive", "none_vllm"]
 
 
+class BenchmarkGoals(Section):
+    """What the benchmark's result calls met (`goals` in metrics/bench.json)."""
+
+    single_stream_speedup: Annotated[float, Field(gt=0.0)] = Field(
+        3.0, description="the best DSpark mode's tok/s over the target alone's, at concurrency 1"
+    )
+    measured_vs_predicted: Annotated[float, Field(gt=0.0)] = Field(
+        0.85,
+        description="that speedup over the one predicted from tau and step costs, at least",
+    )
+    ttft_overhead: Annotated[float, Field(ge=0.0)] = Field(
+        0.20, description="a speculative mode's TTFT p50 over `none`'s, minus 1, at most"
+    )
+
+
 class BenchmarkConfig(Section):
     modes: list[Mode] = Field(
         ["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive"],
@@ -451,6 +491,7 @@ class BenchmarkConfig(Section):
     noise: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(
         0.05, description="relative tolerance of the `adaptive loses nowhere` goal"
     )
+    goals: BenchmarkGoals = BenchmarkGoals()
     rounds: PosInt = Field(
         1,
         description="each cell's modes are measured this many times, the order rotated each "
@@ -469,7 +510,8 @@ class ExportConfig(Section):
     verifier_name_or_path: str | None = Field(
         None,
         description="what the export names as its verifier (speculators_config.verifier); "
-        "default: the target's folder or hub id",
+        "default: the target's public hub id (a hub target, or the model a packaged GGUF was "
+        "made from), else its local folder",
     )
 
 

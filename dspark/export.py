@@ -26,13 +26,36 @@ from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.layers import LayerShape
 from dspark.train.checkpoint import load_state, load_tensors, read_json, save_tensors
 
+# Our own metadata in config.json (speculators keeps unknown keys; vLLM ignores them):
+# {"verifier_local_path": the target folder the draft was trained and exported against}.
+DSPARK_KEY = "dspark"
 SPECULATORS_VERSION = "0.9.0"  # the release whose format this matches (and that the test loads)
+# What speculators 0.9.0 reads for a key its DSpark config.json omits (DSparkSpeculatorConfig and
+# its DFlash base). They are speculators' defaults, not ours (train.dspark): an import must mean
+# what speculators would, even where the two disagree. tests/speculators checks them.
+SPECULATORS_DEFAULTS = {
+    "block_size": 8,
+    "draft_vocab_size": 32000,
+    "sample_from_anchor": True,
+    "markov_rank": 256,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
+}
 
 
 def speculators_config(
-    cfg: DSparkConfig, verifier_config: dict, verifier_path: str, dtype: str = "float32"
+    cfg: DSparkConfig,
+    verifier_config: dict,
+    verifier_path: str,
+    dtype: str = "float32",
+    verifier_local_path: str | None = None,
 ) -> dict:
-    """config.json for a DSpark draft of `cfg` over the verifier whose config.json is given."""
+    """config.json for a DSpark draft of `cfg` over the verifier whose config.json is given.
+
+    `verifier_path` is what speculators and `vllm serve FOLDER` load the verifier from (a public
+    hub id where the target has one); `verifier_local_path`, the copy this run used, goes under
+    our own key, DSPARK_KEY, which both ignore."""
     layer_cfg = {
         k: v
         for k, v in verifier_config.items()
@@ -77,6 +100,11 @@ def speculators_config(
                 "architectures": verifier_config.get("architectures", []),
             },
         },
+        **(
+            {DSPARK_KEY: {"verifier_local_path": verifier_local_path}}
+            if verifier_local_path
+            else {}
+        ),
     }
 
 
@@ -87,10 +115,13 @@ def export_speculators(
     *,
     verifier_config: dict,
     verifier_path: str,
+    verifier_local_path: str | None = None,
 ) -> dict:
     """Write `out_dir` (config.json + model.safetensors) atomically; return the config."""
     cfg = model.cfg
-    doc = speculators_config(cfg, verifier_config, verifier_path)
+    doc = speculators_config(
+        cfg, verifier_config, verifier_path, verifier_local_path=verifier_local_path
+    )
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     reduced = cfg.draft_vocab_size != cfg.vocab_size
     if reduced:
@@ -113,7 +144,8 @@ def import_speculators(folder: Path, embed: torch.nn.Embedding, lm_head: torch.n
     where = folder / "config.json"
     if doc.get("speculators_model_type") != "dspark":
         raise DataError(f"{where}: speculators_model_type is not 'dspark'")
-    if doc.get("sample_from_anchor") is False:
+    doc = {**SPECULATORS_DEFAULTS, **doc}
+    if doc["sample_from_anchor"] is False:
         raise DataError(f"{where}: sample_from_anchor false (DFlash-style blocks) is not supported")
     try:
         layer_cfg = doc["transformer_layer_config"]
@@ -127,10 +159,10 @@ def import_speculators(folder: Path, embed: torch.nn.Embedding, lm_head: torch.n
             vocab_size=vocab,
             draft_vocab_size=int(doc["draft_vocab_size"]),
             mask_token_id=int(doc["mask_token_id"]),
-            markov_rank=int(doc.get("markov_rank", 256)),
-            markov_head=doc.get("markov_head_type", "vanilla"),
-            confidence_head=bool(doc.get("enable_confidence_head", True)),
-            confidence_with_markov=bool(doc.get("confidence_head_with_markov", True)),
+            markov_rank=int(doc["markov_rank"]),
+            markov_head=doc["markov_head_type"],
+            confidence_head=bool(doc["enable_confidence_head"]),
+            confidence_with_markov=bool(doc["confidence_head_with_markov"]),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise DataError(f"{where}: malformed speculators config ({e})") from None
@@ -149,7 +181,10 @@ def import_speculators(folder: Path, embed: torch.nn.Embedding, lm_head: torch.n
     else:
         draft_ids = torch.arange(cfg.vocab_size)
         tensors["lm_head.weight"] = lm_head.weight.detach().clone()
-    model = DSparkDraft(cfg, embed, tensors["lm_head.weight"])
+    try:
+        model = DSparkDraft(cfg, embed, tensors["lm_head.weight"])
+    except ValueError as e:  # a combination the model refuses, e.g. confidence over rank 0
+        raise DataError(f"{where}: {e}") from None
     load_state(model, tensors, folder / "model.safetensors")
     return model, draft_ids
 
@@ -171,32 +206,46 @@ def roundtrip_diff(a: DSparkDraft, b: DSparkDraft, seed: int = 0) -> float:
     return float(diff)
 
 
+def verifier_names(
+    info: dict, target_dir: Path, override: str | None = None
+) -> tuple[str, str | None]:
+    """(what the export names as its verifier, the local copy or None) for the target whose
+    manifest (target.json) is `info`. The name is its public hub id where it has one, so a GPU
+    box serves the folder as is (`vllm serve FOLDER` loads the verifier by it); the local copy
+    this run used is kept under our own key."""
+    from dspark.models.target import public_id
+
+    kind = info.get("kind")
+    local = info.get("path") if kind == "folder" else None
+    if kind not in ("folder", "hub"):  # materialized into target_dir (gguf-package, tiny-random)
+        local = str(Path(target_dir).resolve())
+    return override or public_id(info) or local or str(Path(target_dir).resolve()), local
+
+
 def export_stage(params, *, drafts_dir: Path, target_dir: Path, out_dir: Path) -> dict:
     """The export stage: the trained DSpark draft as a speculators folder, re-imported and
     checked against the original."""
-    from dspark.models.target import load_target, read_manifest
-    from dspark.train.checkpoint import load_draft
+    from dspark.drafts import load_draft
+    from dspark.models.target import load_target_for, read_manifest
 
-    target = load_target(target_dir, params.target.dtype, params.target.max_context)
+    target = load_target_for(params.target, target_dir)
     model, draft_ids = load_draft(Path(drafts_dir) / "dspark", target.embed)
     info = read_manifest(target_dir)
-    verifier = (
-        params.export.verifier_name_or_path
-        or (info.get("path") if info.get("kind") == "folder" else None)
-        or (info.get("source") if info.get("kind") == "hub" else str(Path(target_dir).resolve()))
-    )
+    verifier, local = verifier_names(info, target_dir, params.export.verifier_name_or_path)
     doc = export_speculators(
         model,
         draft_ids,
         out_dir,
         verifier_config=target.model.config.to_dict(),
         verifier_path=verifier,
+        verifier_local_path=local,
     )
     back, back_ids = import_speculators(out_dir, target.embed, target.lm_head)
     return {
         "format": params.export.format,
         "speculators_version": SPECULATORS_VERSION,
         "verifier": verifier,
+        "verifier_local_path": local,
         "draft_vocab_size": doc["draft_vocab_size"],
         "speculative_tokens": doc["block_size"],
         "bytes": sum(f.stat().st_size for f in Path(out_dir).iterdir()),

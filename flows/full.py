@@ -58,11 +58,14 @@ def dspark(profile: str = "default", root: str = str(ROOT)) -> dict:
         for stage in stages.STAGES:
             results[stage.name] = STAGE_FLOWS[stage.name](profile, parent, str(root_path))
             logger.info("%s: %s", stage.name, "cached" if results[stage.name]["cached"] else "ran")
-        summary = stages.write_run_summary(
-            root_path, profile, {k: v["cached"] for k, v in results.items()}
-        )
-        tracker.metrics(parent, {"total_wall_s": summary["total_wall_s"]})
+        stages.write_run_summary(root_path, profile, {k: v["cached"] for k, v in results.items()})
+        # The headline figures, cached stages' included (their files are from the run that made
+        # them): two pipeline runs compare in the runs table without opening their children.
+        tracker.headline(parent, (root_path / stages.RUN_SUMMARY).parent, profile)
         tracker.artifact(parent, root_path / stages.RUN_SUMMARY)
+        runs_page = tracker.ui_url()
+        if runs_page:
+            logger.info("MLflow: %s (this run: %s)", runs_page, tracker.ui_url(parent))
         ok = True
     finally:
         tracker.finish(parent, ok)

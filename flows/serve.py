@@ -1,16 +1,18 @@
 """`dspark serve`: bootstrap the work pool and the deployment `dspark/full`, then run a worker.
 
 The pool is a `process` pool with a concurrency limit of 1: one pipeline at a time, since every
-run shares this checkout's params.yaml, DVC workspace and artifacts. Stop it with Ctrl-C or
-SIGTERM; the worker is stopped by PID.
+run shares this checkout's params.yaml, DVC workspace and artifacts.
+
+Stop it with Ctrl-C or SIGTERM (what systemd, supervisord or a container runtime sends): the
+worker takes no new run, each flow run it is running stops as a cancelled one does (its stage
+saves what resumes it, within the stage's own grace), and whatever is left after
+`STOP_GRACE_S` is killed, in whatever session or process group it runs (`procs.supervise`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,10 +20,15 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
 from prefect.exceptions import ObjectNotFound
 
+from dspark.procs import supervise
+from dspark.stages import STAGES
 from flows.full import ROOT, dspark
 
 POOL = os.environ.get("DSPARK_POOL", "dspark")
 BIN = Path(sys.executable).parent
+# The longest a stage takes to stop when asked (train: a step and its checkpoint), and time for
+# its flow run to report; the worker then has procs.SETTLE_S to follow.
+STOP_GRACE_S = max(s.stop_grace_s for s in STAGES) + 20.0
 
 
 def ensure_pool(name: str) -> None:
@@ -54,37 +61,17 @@ def main() -> int:
         flush=True,
     )
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
-    worker = subprocess.Popen(
-        [
-            str(BIN / "prefect"),
-            "worker",
-            "start",
-            "--pool",
-            POOL,
-            "--type",
-            "process",
-            "--limit",
-            "1",
-        ],
-        env=env,
+    argv = [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"]
+    # SIGINT: the worker's own graceful stop (on SIGTERM it sends itself SIGINT, and on a
+    # second signal SIGKILL).
+    return supervise(
+        [*argv, "--limit", "1"],
         cwd=ROOT,
-        start_new_session=True,
+        env=env,
+        grace=STOP_GRACE_S,
+        ask=signal.SIGINT,
+        say=lambda line: print(f"dspark serve: {line}", flush=True),
     )
-
-    def stop(signum, _frame):
-        # The worker ignores SIGTERM for a while; SIGINT makes it shut down cleanly.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(worker.pid, signal.SIGINT)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
-        return worker.wait()
-    finally:
-        # Flow runs the worker left behind. The leader is reaped, but while any member lives
-        # the group's id cannot be given to a new process, so this reaches only them.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(worker.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":

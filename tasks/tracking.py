@@ -15,9 +15,23 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from dspark.config import Params
+from dspark.headline import headline, read_docs
 
 PARENT_TAG = "mlflow.parentRunId"
 RUN_NAME_TAG = "mlflow.runName"
+# How MLflow marks a model-training experiment, as opposed to a GenAI one (3.17's JS bundle: the
+# experiment tag `mlflow.experimentKind`, enum value CUSTOM_MODEL_DEVELOPMENT, labelled "Machine
+# learning"; mlflow/demo sets "genai_development" the same way).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+# 3.17's UI ignores that tag while its GenAI / "Model training" switch is on (the bundle hard-codes
+# it on): the switch, `?workflowType=` in the URL, else the browser's last choice (default GenAI),
+# picks the page. Links we print carry it, so a fresh browser lands on the runs table.
+UI_QUERY = "?workflowType=machine_learning"
+# A view of the runs table with the headline figures as columns (3.17 shows none by default): the
+# UI reads `?viewStateShareKey=K` from the experiment tag `mlflow.sharedViewState.K`, plain JSON.
+HEADLINE_VIEW = "headline"
+SHARED_VIEW_TAG = "mlflow.sharedViewState."
 MAX_BATCH = 900
 
 
@@ -38,10 +52,30 @@ class Tracker:
         if exp is None:
             location = (root / params.tracking.artifact_root).resolve().as_uri()
             self.experiment_id = self.client.create_experiment(
-                params.tracking.experiment, artifact_location=location
+                params.tracking.experiment,
+                artifact_location=location,
+                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND},
             )
         else:
             self.experiment_id = exp.experiment_id
+            if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:  # made before the tag
+                self.client.set_experiment_tag(
+                    self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND
+                )
+
+    def ui_url(self, run_id: str | None = None) -> str | None:
+        """The MLflow UI's page for the experiment's runs (or one run), where the tracking URI is
+        a server's; None for a local store (serve it, then open the same path)."""
+        uri = self.client.tracking_uri
+        if not uri.startswith(("http://", "https://")):
+            return None
+        if run_id:
+            return f"{uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}{UI_QUERY}"
+        tags = self.client.get_experiment(self.experiment_id).tags
+        view = (
+            f"&viewStateShareKey={HEADLINE_VIEW}" if SHARED_VIEW_TAG + HEADLINE_VIEW in tags else ""
+        )
+        return f"{uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs{UI_QUERY}{view}"
 
     def start(self, name: str, tags: dict[str, str], parent: str | None = None) -> str:
         tags = {RUN_NAME_TAG: name, **tags}
@@ -88,6 +122,22 @@ class Tracker:
             model_name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()}
         )
         return str(version.version)
+
+    def headline(self, run_id: str, metrics_dir: Path, profile: str | None = None) -> dict:
+        """Log the pipeline's headline figures (dspark.headline) on its parent run, from the
+        metrics files in `metrics_dir`, so runs compare in the runs table; return the metrics."""
+        metrics, tags = headline(read_docs(metrics_dir, profile))
+        self.metrics(run_id, metrics)
+        self.tags(run_id, tags)
+        if metrics:
+            columns = [f"tags.`{k}`" for k in ("profile", "git_commit")]
+            columns += [f"metrics.`{k}`" for k in metrics]
+            self.client.set_experiment_tag(
+                self.experiment_id,
+                SHARED_VIEW_TAG + HEADLINE_VIEW,
+                json.dumps({"selectedColumns": columns}),
+            )
+        return metrics
 
     def finish(self, run_id: str, ok: bool) -> None:
         self.client.set_terminated(run_id, "FINISHED" if ok else "FAILED")

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from dspark.config import Params
 from dspark.data import shards as shard_io
@@ -31,6 +30,7 @@ from dspark.errors import DataError
 from dspark.io import ensure_writable_dir, write_text
 from dspark.metrics import EventLog
 from dspark.models.target import Target, read_manifest
+from dspark.progress import bar as progress_bar
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def prepare(
     sample_id = tokens = reused_shards = gen_tokens = 0
     gen_seconds = 0.0
     target_n = cfg.num_samples or 10**12
-    bar = tqdm(total=cfg.num_samples, desc="prepare", unit="sample", disable=not progress)
+    bar = progress_bar(total=cfg.num_samples, desc="prepare", unit="sample", enabled=progress)
     setup = EngineSetup(
         target=target,
         target_dir=paths.target,

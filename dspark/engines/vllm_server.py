@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from dspark.errors import DsparkError
+from dspark.net import free_port
 from dspark.procs import stop_processes
 
 VENV_DIR = ".venv-vllm"
@@ -65,12 +66,6 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[int]:

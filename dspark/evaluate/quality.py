@@ -4,7 +4,8 @@ speculation. Greedy speculative decoding is lossless, so the scores must be iden
 
 From the command line, once this module is imported (`lm_eval --include_path` finds the task;
 the model needs `import dspark.evaluate.quality` first, e.g. through `python -m`):
-    model_args: target=artifacts/target,drafts=artifacts/drafts,method=dspark
+    model_args: target=artifacts/target,drafts=artifacts/drafts,method=dspark,params=params.yaml
+(params.yaml's active profile sets the target's dtype and context cap and the n-gram settings.)
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from pathlib import Path
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from dspark.config import Params, load_params
 from dspark.decode.engine import SpecDecoder
 from dspark.decode.llama import Llama
-from dspark.decode.proposers import NgramProposer, NoProposer, Proposer
-from dspark.models.target import Target, load_target
+from dspark.decode.proposers import Proposer
+from dspark.drafts import ProposerContext, build_proposer
+from dspark.models.target import Target, load_target_for
 from dspark.packages import package_file
+from dspark.progress import bar
 
 TASK = "dspark_gsm8k"
 # A chat prompt that asks for a final line; the score reads the output's last number.
@@ -65,20 +69,29 @@ class SpecLM(LM):
         method: str = "dspark",
         proposer: Proposer | None = None,
         llama: Llama | None = None,
+        params: str | Params = "params.yaml",
     ):
+        """In the evaluate stage: a loaded `target` and the method's `proposer`. From lm-eval's
+        command line: paths, read as `params` says."""
         super().__init__()
-        self.target = target if isinstance(target, Target) else load_target(Path(target))
+        if not isinstance(target, Target) or proposer is None:
+            params = params if isinstance(params, Params) else load_params(params)
+        if not isinstance(target, Target):
+            target = load_target_for(params.target, Path(target))
+        self.target = target
         self.llama = llama or Llama.from_hf(self.target.model)
         if proposer is None:
-            proposer = make_proposer(method, self.target, Path(drafts))
-        self.proposer = proposer
+            ctx = ProposerContext.for_evaluate(params, self.target, Path(drafts))
+            proposer = build_proposer(method, ctx)
+        self.method, self.proposer = method, proposer
         self.outputs: list[list[int]] = []  # every generation's tokens, in request order
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         t = self.target
         dec = SpecDecoder(self.llama, self.proposer, t.eos_token_id, t.max_context)
         out = []
-        for req in requests:
+        desc = f"evaluate: lm-eval {self.method}"
+        for req in bar(requests, desc=desc, unit="problems", enabled=not disable_tqdm):
             context, kwargs = req.args
             ids = t.chat_ids([{"role": "user", "content": context}])
             traces, _ = dec.generate([ids], int(kwargs.get("max_gen_toks", 256)))
@@ -95,16 +108,6 @@ class SpecLM(LM):
 
     def loglikelihood_rolling(self, requests):
         raise NotImplementedError("the dspark lm-eval model only generates (generate_until)")
-
-
-def make_proposer(method: str, target: Target, drafts: Path) -> Proposer:
-    if method == "none":
-        return NoProposer()
-    if method == "ngram":
-        return NgramProposer(8, 1, 3, target.vocab_size)
-    from dspark.evaluate.stage import build_proposers
-
-    return build_proposers([method], target, drafts)[method]
 
 
 def write_task(folder: Path, max_gen_toks: int) -> Path:

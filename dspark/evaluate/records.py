@@ -1,5 +1,6 @@
 """The evaluate stage's records (dspark.records): every decode's outcome, timings included,
-keyed by prompt and method. The fingerprint covers the code the stage's DVC deps name."""
+keyed by prompt and method. The fingerprint covers the code the stage's DVC deps name (passed
+down as `EvalPaths.code`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ from dspark.records import Records
 __all__ = ["Records", "fingerprint", "from_fields", "trace_fields"]
 
 
-def fingerprint(basis: dict, files: list[Path]) -> str:
-    from dspark.stages import BY_NAME  # the registry imports the stages lazily: no cycle
-
-    return records.fingerprint(basis, files, BY_NAME["evaluate"].deps)
+def fingerprint(basis: dict, files: list[Path], code: tuple[str, ...]) -> str:
+    """Over the basis, the input files and the library code among `code` (the stage's deps)."""
+    return records.fingerprint(basis, files, code)
 
 
 def trace_fields(trace: RowTrace, timing: Timing) -> dict:

@@ -6,42 +6,33 @@ then decodes from a copy of it. With `lossless_check`, every greedy output is co
 token with transformers' greedy `generate` (static cache), whose timing is also the second
 candidate for the `none` baseline: `none` reports the faster of the two engines.
 
-A divergence where the target's top-2 logits differ by less than `TIE` is a tie (float noise
-between two forwards can flip it) and is reported apart; any other divergence is a mismatch.
+A divergence where the target's top-2 logits differ by less than `TIE` (dspark.decode.reference)
+is a tie (float noise between two forwards can flip it) and is reported apart; any other
+divergence is a mismatch.
 
 Every decode is recorded as it finishes (`records.py`), so a stopped evaluation resumes.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
-from dspark.config import CATEGORIES, LONG_CATEGORIES, Params
+from dspark.config import CATEGORIES, LONG_CATEGORIES, MARKOV_ABLATION, EvalGoals, Params
 from dspark.data.prompts import Prompt, read_prompt_file
-from dspark.decode.drafters import DSparkProposer, Eagle3Proposer
 from dspark.decode.engine import Prefill, SpecDecoder
 from dspark.decode.llama import Llama
-from dspark.decode.proposers import NgramProposer, NoProposer, Proposer
+from dspark.decode.proposers import NoProposer
+from dspark.decode.reference import Reference
 from dspark.decode.sampling import GREEDY, Sampling
+from dspark.drafts import ProposerContext, build_proposer, trained_proposer
 from dspark.errors import DataError
 from dspark.evaluate.records import Records, fingerprint, from_fields, trace_fields
 from dspark.evaluate.report import write_plots, write_report
 from dspark.evaluate.summary import Calibration, Tally
 from dspark.metrics import EventLog
-from dspark.models.target import Target, load_target, read_manifest, set_threads
-from dspark.train.checkpoint import load_draft
-
-TIE = 1e-4
-ABLATION = {
-    "vanilla": "dspark",
-    "gated": "dspark_gated",
-    "rnn": "dspark_rnn",
-    "rank0": "dspark_rank0",
-}
+from dspark.models.target import Target, load_target_for, read_manifest, set_threads
+from dspark.progress import bar, say
 
 
 @dataclass(frozen=True)
@@ -53,6 +44,7 @@ class EvalPaths:
     report: Path
     records: Path  # the stage's checkpoint: every decode's outcome (persists across runs)
     events: Path | None = None
+    code: tuple[str, ...] = ()  # the stage's DVC deps: the library code its records depend on
 
 
 def select_prompts(prompts: list[Prompt], per_category: int | None) -> dict[str, list[Prompt]]:
@@ -62,64 +54,9 @@ def select_prompts(prompts: list[Prompt], per_category: int | None) -> dict[str,
     return {c: ps[:per_category] if per_category else ps for c, ps in by_cat.items()}
 
 
-def build_proposers(methods: list[str], target: Target, drafts: Path) -> dict[str, Proposer]:
-    """The model-free and trained proposers by method name (n-gram is built per window)."""
-    out: dict[str, Proposer] = {}
-    for m in methods:
-        if m == "none":
-            out[m] = NoProposer()
-        elif m == "ngram":
-            continue  # one per swept window, built by the caller
-        else:
-            folder = drafts / m
-            if not (folder / "config.json").is_file():
-                raise DataError(f"{folder}: no trained {m} draft (run the train stage)")
-            model, ids = load_draft(folder, target.embed)
-            out[m] = (DSparkProposer if m.startswith("dspark") else Eagle3Proposer)(model, ids)
-    return out
-
-
-def ngram_proposer(params: Params, window: tuple[int, int], vocab: int) -> NgramProposer:
-    k = params.evaluate.ngram.k or params.train.dspark.block_size
-    return NgramProposer(k, window[0], window[1], vocab)
-
-
-class Reference:
-    """transformers' greedy generate of the target, and the tie test at a divergence."""
-
-    def __init__(self, target: Target):
-        self.target = target
-
-    @torch.no_grad()
-    def generate(self, ids: list[int], max_new: int) -> tuple[list[int], float]:
-        x = torch.tensor([ids])
-        t0 = time.perf_counter()
-        out = self.target.model.generate(
-            input_ids=x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=max_new,
-            do_sample=False,
-            eos_token_id=self.target.eos_token_id,
-            pad_token_id=self.target.eos_token_id,
-            cache_implementation="static",
-        )
-        return out[0, len(ids) :].tolist(), time.perf_counter() - t0
-
-    @torch.no_grad()
-    def compare(self, ids: list[int], want: list[int], got: list[int]) -> str:
-        """'same', 'tie' or 'mismatch'."""
-        if got == want:
-            return "same"
-        at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
-        if at is None:  # one is a prefix of the other: a stop differs, not a token
-            return "mismatch"
-        logits = self.target.model(input_ids=torch.tensor([ids + want[:at]])).logits[0, -1]
-        # A tie: the token we chose is within TIE of the target's best (so the two top tokens
-        # are that close); any other choice is a real divergence.
-        return "tie" if float(logits.max() - logits[got[at]]) < TIE else "mismatch"
-
-
-def evaluate(params: Params, paths: EvalPaths, prompts_file: Path | None = None) -> dict:
+def evaluate(
+    params: Params, paths: EvalPaths, prompts_file: Path | None = None, progress: bool = True
+) -> dict:
     cfg = params.evaluate
     source = prompts_file or paths.prompts
     selected = select_prompts(read_prompt_file(source), cfg.prompts_per_category)
@@ -127,8 +64,8 @@ def evaluate(params: Params, paths: EvalPaths, prompts_file: Path | None = None)
         if cat not in cfg.max_new_tokens:
             raise DataError(f"evaluate.max_new_tokens: no cap for category {cat!r}")
     set_threads(params.provision.threads)
-    target = load_target(paths.target, params.target.dtype, params.target.max_context)
-    result = Evaluation(params, target, paths).all(selected)
+    target = load_target_for(params.target, paths.target)
+    result = Evaluation(params, target, paths).all(selected, progress=progress)
     result["prompt_source"] = str(source)
     write_plots(result, paths.plots)
     write_report({**result, "profile": params.profile}, paths.report)
@@ -150,25 +87,30 @@ class Evaluation:
         self.params, self.cfg, self.target = params, params.evaluate, target
         self.llama = Llama.from_hf(target.model)
         methods = self.cfg.methods
-        self.proposers = build_proposers(methods, target, paths.drafts)
+        self.context = ProposerContext.for_evaluate(params, target, paths.drafts)
+        # n-gram: one per swept window, below.
+        self.proposers = {m: build_proposer(m, self.context) for m in methods if m != "ngram"}
         self.ablation = {}  # the Markov variants the train stage trained (train.markov_ablation)
         if "dspark" in methods:
-            for variant, name in ABLATION.items():
-                if variant != "vanilla" and (paths.drafts / name / "config.json").is_file():
-                    self.ablation[variant] = build_proposers([name], target, paths.drafts)[name]
+            for name in MARKOV_ABLATION:
+                if (paths.drafts / name / "config.json").is_file():
+                    self.ablation[name.removeprefix("dspark_")] = trained_proposer(
+                        self.context, name
+                    )
         self.windows = [tuple(w) for w in self.cfg.ngram.windows] if "ngram" in methods else []
-        self.ngrams = {w: ngram_proposer(params, w, target.vocab_size) for w in self.windows}
+        self.ngrams = {
+            w: build_proposer("ngram", replace(self.context, ngram_window=w)) for w in self.windows
+        }
         every = [*self.proposers.values(), *self.ablation.values(), *self.ngrams.values()]
         self.taps = tuple(sorted({t for p in every for t in p.taps}))
         self.room = max(p.k for p in every)
-        self.drafts = paths.drafts
         self.ref = Reference(target) if self.cfg.lossless_check else None
         drafted = sorted(paths.drafts.glob("*/*")) if paths.drafts.is_dir() else []
         # What decides a decode's outcome; which prompts and methods run is a selection, and a
         # prompt's own text and cap are in its record's key.
         how = self.cfg.model_dump(mode="json", include={"temperature", "top_p", "ngram", "seed"})
         basis = {"evaluate": how, "target": read_manifest(paths.target)}
-        self.records = Records(paths.records, fingerprint(basis, drafted))
+        self.records = Records(paths.records, fingerprint(basis, drafted, paths.code))
         self.log = EventLog(paths.events)
         self.lossless = {"mismatches": 0, "ties": 0, "checked": 0, "mismatched_ids": []}
         self._checked: set[str] = set()  # a decode read twice (sweep, then main) counts once
@@ -228,9 +170,16 @@ class Evaluation:
 
     # --- everything ------------------------------------------------------------------------
 
-    def all(self, selected: dict[str, list[Prompt]]) -> dict:
+    def all(self, selected: dict[str, list[Prompt]], progress: bool = True) -> dict:
         cfg, methods = self.cfg, self.cfg.methods
         sweep = {w: Tally() for w in self.windows}
+        swept = [c for c in selected if c not in LONG_CATEGORIES] if self.ngrams else []
+        sweep_bar = bar(
+            total=len(swept) * len(self.ngrams),
+            desc="evaluate: n-gram sweep",
+            unit="decodes",
+            enabled=progress and bool(swept),
+        )
         # The n-gram sweep: every window on the first prompt of each of the nine categories;
         # the best window decodes everything (its sweep decodes are reused, being the same
         # records). Sampling, too, runs on the nine only.
@@ -244,6 +193,8 @@ class Evaluation:
                             proposer, _ngram_label(w), cat_prompts[0], max_new, ref and ref[0]
                         )
                     )
+                    sweep_bar.update(1)
+        sweep_bar.close()
         best = max(self.windows, key=lambda w: sweep[w].tau or 0.0) if self.windows else None
         chosen = {**self.proposers, **({"ngram": self.ngrams[best]} if best else {})}
         labels = {m: _ngram_label(best) if m == "ngram" else m for m in methods}
@@ -252,6 +203,8 @@ class Evaluation:
         calibration, hf = Calibration(), Tally()
         sampling = Sampling(cfg.temperature, cfg.top_p)
         step = 0
+        total = sum(len(ps) for ps in selected.values())
+        prompts_bar = bar(total=total, desc="evaluate", unit="prompts", enabled=progress)
         for cat, cat_prompts in selected.items():
             max_new = cfg.max_new_tokens[cat]
             tallies[cat] = {m: Tally() for m in methods}
@@ -282,6 +235,9 @@ class Evaluation:
                 # "<method>/..." keys land in the method's child run (tasks/stage.py).
                 taus = {f"{m}/tau_{cat}": t.tau for m, t in tallies[cat].items() if t.steps}
                 self.log.log(step, **taus)
+                prompts_bar.set_postfix_str(cat, refresh=False)
+                prompts_bar.update(1)
+        prompts_bar.close()
 
         result = assemble(self.params, tallies, sampled, ablation, calibration, sweep, best, hf)
         result["lossless_mismatches"] = self.lossless["mismatches"]
@@ -290,7 +246,9 @@ class Evaluation:
         result["prompts"] = {c: len(ps) for c, ps in selected.items()}
         result["resumed_decodes"] = self.records.replayed
         if cfg.lm_eval.limit:
-            result["quality"] = quality(self.params, self.target, self.llama, chosen, self.drafts)
+            if progress:
+                say(f"evaluate: lm-eval, {cfg.lm_eval.limit} problems per method")
+            result["quality"] = quality(self.params, self.target, self.llama, chosen, self.context)
         return result
 
 
@@ -298,13 +256,17 @@ def _ngram_label(window: tuple[int, int]) -> str:
     return f"ngram_{window[0]}_{window[1]}"
 
 
-def quality(params: Params, target, llama, proposers: dict, drafts: Path) -> dict:
-    from dspark.evaluate.quality import SpecLM, make_proposer, score
+def quality(params: Params, target, llama, proposers: dict, context: ProposerContext) -> dict:
+    # lm-eval is heavy to import: only when scoring.
+    from dspark.evaluate.quality import SpecLM, score
 
     cfg = params.evaluate.lm_eval
     models = {
         m: SpecLM(
-            target, llama=llama, proposer=proposers.get(m) or make_proposer(m, target, drafts)
+            target,
+            llama=llama,
+            method=m,
+            proposer=proposers.get(m) or build_proposer(m, context),
         )
         for m in cfg.methods
     }
@@ -358,7 +320,7 @@ def assemble(params, tallies, sampled, ablation_tallies, calibration, sweep, bes
             taus = {c: ablation_tallies[c][v].summary()["tau"] for c in ablation_tallies}
             abl[v] = {"mean_tau": _mean(taus[c] for c in nine), "categories": taus}
         result["markov_ablation"] = abl
-    result["goals"] = goals(mean)
+    result["goals"] = goals(mean, cfg.goals)
     return result
 
 
@@ -368,12 +330,14 @@ def _mean(values) -> float | None:
     return round(sum(got) / len(got), 4) if got else None
 
 
-def goals(mean: dict) -> dict:
-    """Issue 5's goals on the nine-category mean tau (judged on the full profile)."""
+def goals(mean: dict, targets: EvalGoals) -> dict:
+    """Issue 5's goals (evaluate.goals) on the nine-category mean tau."""
     out = {}
-    d, e, n = mean.get("dspark"), mean.get("eagle3"), mean.get("ngram")
-    if d and e:
-        out["dspark_over_eagle3"] = {"ratio": round(d / e, 3), "goal": 1.15, "met": d / e >= 1.15}
-    if d and n:
-        out["dspark_over_ngram"] = {"ratio": round(d / n, 3), "goal": 1.5, "met": d / n >= 1.5}
+    d = mean.get("dspark")
+    for name, other, goal in (
+        ("dspark_over_eagle3", mean.get("eagle3"), targets.dspark_over_eagle3),
+        ("dspark_over_ngram", mean.get("ngram"), targets.dspark_over_ngram),
+    ):
+        if d and other:
+            out[name] = {"ratio": round(d / other, 3), "goal": goal, "met": d / other >= goal}
     return out

@@ -23,24 +23,23 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
 from dspark.config import Params
 from dspark.data.shards import read_manifest as read_token_manifest
 from dspark.errors import ResourceError
 from dspark.extract.capture import resolve_aux_layers
+from dspark.extract.producer import ProducerConfig
 from dspark.infra import netns
 from dspark.infra.plan import consumer_host, trainer_node
 from dspark.infra.plan import producers as place_producers
 from dspark.infra.spec import resolve as resolve_spec
 from dspark.metrics import EventLog
 from dspark.procs import stop_processes
+from dspark.progress import bar as progress_bar
 from dspark.schema import Sample
 from dspark.stopping import exit_on_sigterm
 from dspark.transport.control import Coordinator
 from dspark.transport.files import HiddenShardWriter
 from dspark.transport.master import MooncakeMaster
-from dspark.transport.producer import ProducerConfig
 from dspark.transport.stores import FileStore, MooncakeStore, PayloadStore
 from dspark.transport.stream import StreamConsumer
 
@@ -177,7 +176,7 @@ def open_stream(
             log = open(scratch / f"producer-{i}.log", "w")  # noqa: SIM115 - child owns it
             producers.append(
                 subprocess.Popen(
-                    slot.command([sys.executable, "-m", "dspark.transport.producer", str(path)]),
+                    slot.command([sys.executable, "-m", "dspark.extract.producer", str(path)]),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env={**os.environ},
@@ -221,7 +220,7 @@ def extract(
     )
     log = EventLog(events)
     lock = threading.Lock()
-    bar = tqdm(total=len(ids), desc="extract", unit="sample", disable=not progress)
+    bar = progress_bar(total=len(ids), desc="extract", unit="sample", enabled=progress)
     received: list[int] = []
     tokens = 0
     errors: list[BaseException] = []

@@ -22,7 +22,8 @@ from dspark.errors import ResourceError
 from dspark.infra.plan import trainer_node
 from dspark.infra.spec import ClusterSpec
 from dspark.io import write_json
-from dspark.transport.master import free_port, listening, master_binary
+from dspark.net import free_port
+from dspark.transport.master import listening, master_binary
 
 
 @dataclass

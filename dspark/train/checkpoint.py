@@ -4,7 +4,8 @@ loading a checkpoint never runs code from it.
 A draft folder holds `model.safetensors` (the trainable weights, the frozen lm_head rows and the
 draft vocabulary as `draft_ids`) and `config.json` (architecture, vocabulary size, provenance).
 A training checkpoint adds each draft's optimizer state and `state.json` (where the run is).
-Folders are written under a temporary name and renamed into place.
+Folders are written under a temporary name and renamed into place. Reading a draft back
+(`load_draft`) is the draft registry's, `dspark.drafts`, which knows every kind.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from torch import nn
 
 from dspark.errors import DataError
 from dspark.io import write_json
-from dspark.models.dspark import DSparkConfig, DSparkDraft
-from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 
 FORMAT = "dspark-draft"
 FORMAT_VERSION = 1
@@ -67,47 +66,6 @@ def save_draft(folder: Path, model: nn.Module, draft_ids: torch.Tensor, extra: d
         folder / CONFIG,
         {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model.cfg.to_dict(), **extra},
     )
-
-
-def read_draft_config(folder: Path) -> DSparkConfig | Eagle3Config:
-    doc = read_json(Path(folder) / CONFIG)
-    if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"{folder / CONFIG}: not a {FORMAT} v{FORMAT_VERSION} checkpoint")
-    model = doc.get("model") or {}
-    try:
-        if model.get("kind") == "dspark":
-            return DSparkConfig.from_dict(model)
-        if model.get("kind") == "eagle3":
-            return Eagle3Config.from_dict(model)
-    except (TypeError, KeyError) as e:
-        raise DataError(f"{folder / CONFIG}: model: malformed ({e})") from None
-    raise DataError(f"{folder / CONFIG}: model.kind: expected 'dspark' or 'eagle3'")
-
-
-def load_draft(folder: Path, embed: nn.Embedding) -> tuple[DSparkDraft | Eagle3Draft, torch.Tensor]:
-    """Rebuild a draft around the target's frozen embedding; check it fits that target."""
-    folder = Path(folder)
-    cfg = read_draft_config(folder)
-    vocab, hidden = embed.weight.shape
-    if cfg.vocab_size != vocab:
-        raise DataError(
-            f"{folder}: draft built for a {cfg.vocab_size}-token vocabulary, target has {vocab}"
-        )
-    if cfg.layer.hidden_size != hidden:
-        raise DataError(f"{folder}: draft hidden size {cfg.layer.hidden_size}, target has {hidden}")
-    tensors = load_tensors(folder / WEIGHTS)
-    draft_ids = tensors.pop("draft_ids", None)
-    if draft_ids is None or draft_ids.numel() != cfg.draft_vocab_size:
-        raise DataError(f"{folder / WEIGHTS}: draft_ids missing or not {cfg.draft_vocab_size} long")
-    if isinstance(cfg, DSparkConfig):
-        rows = tensors.get("lm_head.weight")
-        if rows is None:
-            raise DataError(f"{folder / WEIGHTS}: lm_head.weight missing")
-        model: nn.Module = DSparkDraft(cfg, embed, rows)
-    else:
-        model = Eagle3Draft(cfg, embed)
-    load_state(model, tensors, folder / WEIGHTS)
-    return model, draft_ids
 
 
 def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], where: Path) -> None:

@@ -2,7 +2,7 @@
 
     rank 0     the train stage's own process; it alone writes outputs (drafts, checkpoint,
                curves, metrics) and evaluates
-    rank 1..   `python -m dspark.train.distributed JOB.json`, started by rank 0 with torchrun's
+    rank 1..   `python -m dspark.train.rank JOB.json`, started by rank 0 with torchrun's
                environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) on this machine
     torchrun   or every rank is `dspark train` under `torchrun --nproc-per-node N` (several
                nodes too): each joins the launcher's group; rank 0 still writes alone
@@ -44,8 +44,8 @@ from dspark.train.losses import AcceptanceStats
 
 if TYPE_CHECKING:
     from dspark.config import Params
-    from dspark.train.stage import TrainPaths
 
+RANK_MODULE = "dspark.train.rank"  # what a spawned rank runs (`python -m`): it imports the stage
 CPU = torch.device("cpu")
 HOST = "127.0.0.1"  # every rank runs on this machine
 START_TIMEOUT = timedelta(seconds=180)  # a rank's imports on a loaded 2-core machine
@@ -220,9 +220,10 @@ class RankFailed(RuntimeError):
 
 
 @contextmanager
-def spawn_ranks(params: Params, paths: TrainPaths) -> Iterator[Ranks]:
+def spawn_ranks(params: Params, paths: Any) -> Iterator[Ranks]:
     """Start ranks 1..N-1 as processes on this machine and join them as rank 0; on exit, wait
-    for them (or stop them, on an error) and leave the process group.
+    for them (or stop them, on an error) and leave the process group. `paths` is the stage's
+    `TrainPaths` (a dataclass), sent to the ranks as JSON.
 
     A rank's dspark error comes back as its own type, naming the rank."""
     world = params.train.world_size
@@ -272,7 +273,7 @@ def _start(rank: int, world: int, port: int, job: Path) -> subprocess.Popen:
         "WORLD_SIZE": str(world),
     }
     log = open(job.with_name(f"rank-{rank}.log"), "w")  # noqa: SIM115 - the child owns it
-    cmd = [sys.executable, "-m", "dspark.train.distributed", str(job)]
+    cmd = [sys.executable, "-m", RANK_MODULE, str(job)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -291,7 +292,7 @@ def _wait_ready(store: dist.TCPStore, procs: dict[int, subprocess.Popen], job: P
 
 def _failure(rank: int, proc: subprocess.Popen, job: Path) -> Exception:
     """A rank's error file (a dspark error, re-raised as its type) or its log's last line."""
-    error = job.with_name(f"rank-{rank}.error")
+    error = error_file(job, rank)
     if error.is_file():
         doc = json.loads(error.read_text())
         kind = getattr(errors, doc["kind"], None)
@@ -302,41 +303,6 @@ def _failure(rank: int, proc: subprocess.Popen, job: Path) -> Exception:
     return RankFailed(f"train rank {rank} exited with status {proc.returncode}: {tail}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Rank 1.. of `spawn_ranks`: join the group from torchrun's environment, train, and
-    leave a dspark error where rank 0 reads it."""
-    from dspark.config import Params
-    from dspark.train.stage import TrainPaths, train_rank
-
-    job = Path((sys.argv[1:] if argv is None else argv)[0])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    doc = json.loads(job.read_text())
-    params = Params.model_validate(doc["params"])
-    paths = TrainPaths(**{k: None if v is None else Path(v) for k, v in doc["paths"].items()})
-    store = dist.TCPStore(host, port, world, is_master=False, timeout=START_TIMEOUT)
-    store.set(f"ready/{rank}", "1")
-    try:
-        device = rank_device(params.train.device, int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(
-            backend(params.train.device),
-            store=store,
-            rank=rank,
-            world_size=world,
-            timeout=GROUP_TIMEOUT,
-        )
-        train_rank(params, paths, progress=False, ranks=Ranks(rank, world, device))
-    except errors.DsparkError as e:
-        error = {"kind": type(e).__name__, "message": str(e)}
-        job.with_name(f"rank-{rank}.error").write_text(json.dumps(error))
-        return 2
-    except Stopped as e:  # rank 0 says so, and wrote the checkpoint
-        return e.code
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def error_file(job: Path, rank: int) -> Path:
+    """Where a spawned rank leaves its dspark error (`rank.main`) for rank 0 to raise."""
+    return job.with_name(f"rank-{rank}.error")

@@ -15,12 +15,14 @@ import csv
 import functools
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from dspark.config import Params, check_ranks
+from dspark.codedeps import ROOT as CODE_ROOT
+from dspark.codedeps import closure
+from dspark.config import MARKOV_ABLATION, Params, check_ranks
 from dspark.data.shards import iter_samples
 from dspark.data.shards import read_manifest as read_token_manifest
 from dspark.errors import ConfigError
@@ -30,7 +32,7 @@ from dspark.metrics import EventLog
 from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.models.layers import LayerShape
-from dspark.models.target import Target, load_target, read_manifest, set_threads
+from dspark.models.target import Target, load_target_for, read_manifest, set_threads
 from dspark.models.vocab import build_draft_ids, count_tokens
 from dspark.stopping import on_signals
 from dspark.train.batch import TargetHead
@@ -47,9 +49,6 @@ from dspark.train.losses import LossWeights
 from dspark.train.objectives import DSparkObjective, Eagle3Objective
 from dspark.train.sources import open_source, split_eval
 from dspark.train.trainer import DraftRun, Trainer, fingerprint
-
-# Markov ablation: name -> (rank, variant); the main `dspark` run is the vanilla one.
-ABLATION = {"dspark_gated": (None, "gated"), "dspark_rnn": (None, "rnn"), "dspark_rank0": (0, None)}
 
 
 @dataclass(frozen=True)
@@ -135,17 +134,11 @@ def build_runs(
     if "dspark" in t.drafts:
         add_dspark("dspark", base)
         if t.markov_ablation:
-            for name, (rank, kind) in ABLATION.items():
-                r = base.markov_rank if rank is None else rank
-                cfg = DSparkConfig(
-                    **{
-                        **base.__dict__,
-                        "markov_rank": r,
-                        "markov_head": kind or base.markov_head,
-                        "confidence_with_markov": base.confidence_with_markov and r > 0,
-                    }
-                )
-                add_dspark(name, cfg)
+            for name, changes in MARKOV_ABLATION.items():
+                cfg = replace(base, **changes)
+                # Without a Markov head the confidence head has no Markov input to see.
+                with_markov = base.confidence_with_markov and cfg.markov_rank > 0
+                add_dspark(name, replace(cfg, confidence_with_markov=with_markov))
     if "eagle3" in t.drafts:
         e = t.eagle3
         cfg = Eagle3Config(
@@ -196,7 +189,7 @@ def train_rank(
     lead = ranks is None or ranks.leader
     # The ranks share the cores unless told otherwise.
     set_threads(t.threads or (max(1, (os.cpu_count() or 1) // ranks.world) if ranks else None))
-    target = load_target(paths.target, params.target.dtype, params.target.max_context)
+    target = load_target_for(params.target, paths.target)
     tokens_doc = read_token_manifest(paths.shards)
     train_ids, eval_ids = split_eval(list(range(tokens_doc["num_samples"])), t.eval_samples)
     held = set(eval_ids)
@@ -276,14 +269,10 @@ def train_rank(
 
 
 def code_hash() -> str:
-    """The code the stage depends on (the same paths as its DVC deps)."""
-    pkg = Path(__file__).resolve().parents[1]
+    """The library code the stage runs: the files DVC hashes for it (`dspark.codedeps`)."""
     h = hashlib.sha256()
-    files = [pkg / "schema.py"]
-    for sub in ("train", "models", "extract", "transport"):
-        files += pkg.glob(f"{sub}/*.py")
-    for path in sorted(files):
-        h.update(str(path.relative_to(pkg)).encode() + path.read_bytes())
+    for rel in closure({__name__, "dspark.config"}):
+        h.update(rel.encode() + (CODE_ROOT / rel).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -304,7 +293,7 @@ def summarize(runs: list[DraftRun], tokens: int) -> dict:
             "params": sum(p.numel() for p in run.params),
             "curve": run.curve,
         }
-        if run.name in ABLATION:
+        if run.name in MARKOV_ABLATION:
             out.setdefault("markov_ablation", {})[run.name.removeprefix("dspark_")] = entry
         else:
             out[run.name] = entry

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from dspark.config import OptimConfig, TrainConfig
 from dspark.errors import DataError
 from dspark.io import atomic_dir, write_json
 from dspark.metrics import EventLog
+from dspark.progress import bar as progress_bar
 from dspark.schema import Sample
 from dspark.stopping import Stopped, StopRequest
 from dspark.train import checkpoint as ckpt
@@ -212,8 +212,8 @@ class Trainer:
             for run in self.runs:
                 run.data_parallel(self.ranks)
         eval_batches: list[Batch] | None = None
-        bar = tqdm(
-            total=total, initial=self.step, desc="train", unit="step", disable=not self.progress
+        bar = progress_bar(
+            total=total, initial=self.step, desc="train", unit="step", enabled=self.progress
         )
         self._t0 = time.perf_counter()
         self._loop_before = self.loop_s

@@ -122,7 +122,7 @@ class Coordinator:
         self.stats = StreamStats()
         self._cv = threading.Condition()
         self._peers: dict[str, _Peer] = {}
-        self._ready: dict[int, tuple[dict, str]] = {}  # sample id -> (manifest, producer)
+        self._ready: dict[int, tuple[dict, _Peer]] = {}  # sample id -> (manifest, connection)
         self._fetching: set[int] = set()
         self._buffered: set[int] = set()  # fetched, waiting for their turn
         self._done: set[int] = set()
@@ -169,6 +169,14 @@ class Coordinator:
                     break
                 if kind == "hello":
                     peer = _Peer(msg["producer"], sock)
+                    old = self._peers.get(peer.name)
+                    if old is not None and old.alive:
+                        # Reconnected before its old connection's close reached us: the
+                        # producer dropped that connection's work, and its close, read later,
+                        # must not touch this one (so `_drop` goes by connection, not name).
+                        self._drop(old, "replaced by a new connection")
+                        with contextlib.suppress(OSError):
+                            old.sock.shutdown(socket.SHUT_RDWR)
                     self._peers[peer.name] = peer
                     self._schedule()
                 if peer is None or not peer.alive:
@@ -197,7 +205,7 @@ class Coordinator:
             self.stats.duplicates_dropped += 1
             send(peer.sock, peer.lock, {"type": "ack", "sample_id": sid})  # release it
             return
-        self._ready[sid] = (manifest, peer.name)
+        self._ready[sid] = (manifest, peer)
 
     def _watch(self) -> None:
         while not self._closed:
@@ -217,12 +225,13 @@ class Coordinator:
         peer.alive = False
         self.stats.producers_lost += 1
         self.stats.lost_at.append(time.monotonic())
-        lost = set(peer.outstanding) | {s for s, (_, p) in self._ready.items() if p == peer.name}
+        lost = set(peer.outstanding) | {s for s, (_, p) in self._ready.items() if p is peer}
         for sid in lost:
             self._ready.pop(sid, None)
         self._requeue(lost)
         log.warning("producer %s lost (%s); %d samples re-assigned", peer.name, why, len(lost))
-        self._peers.pop(peer.name, None)
+        if self._peers.get(peer.name) is peer:  # not a newer connection under its name
+            del self._peers[peer.name]
         self._schedule()
         self._cv.notify_all()
 
@@ -263,7 +272,8 @@ class Coordinator:
                 self._cv.wait(left)
             taken = []
             for sid in sorted(self._ready)[:limit]:
-                taken.append(self._ready.pop(sid))
+                manifest, peer = self._ready.pop(sid)
+                taken.append((manifest, peer.name))
                 self._fetching.add(sid)
             return taken
 

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark.net import free_port
 from dspark.procs import stop_processes
 from dspark.transport.control import warn_if_exposed
 from dspark.transport.stores import TransportError
@@ -25,12 +26,6 @@ def master_binary() -> Path:
     if not path.is_file():
         raise TransportError(f"mooncake: {path} is missing")
     return path
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def listening(host: str, port: int, timeout: float = 0.2) -> bool:

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from dspark.net import free_port  # stdlib only; check.sh puts the working tree on PYTHONPATH
+
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "gpu-check:"
 
@@ -267,12 +269,6 @@ class Deadline:
         if left <= 1:
             raise CheckError("out of time (the run's deadline passed)")
         return min(cap, left)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def last_error(log: Path) -> str:

@@ -23,6 +23,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_serve(repo: Path, env: dict, log) -> subprocess.Popen:
+    """`dspark serve` in the repo copy, in a session of its own, its output in `log`."""
+    return subprocess.Popen(
+        [str(BIN / "dspark"), "serve"],
+        cwd=repo,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
 def stop(proc: subprocess.Popen, wait: float = 20) -> None:
     """Stop a service started in its own session, with everything it started."""
     stop_processes([proc], grace=wait, group=True)

@@ -14,15 +14,17 @@ the trainer in a third.
 import json
 import os
 import re
-import subprocess
 import time
 
 import pytest
 from mlflow.tracking import MlflowClient
 
+from dspark.procs import KILL_WAIT_S, SETTLE_S
 from dspark.stages import STAGES
+from flows.serve import STOP_GRACE_S
 
-from .conftest import BIN, processes_in, run, stop, wait_for
+from ..conftest import under_ci
+from .conftest import BIN, processes_in, run, start_serve, stop, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -30,14 +32,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 @pytest.fixture
 def served(repo, prefect_server, tmp_path):
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [str(BIN / "dspark"), "serve"],
-        cwd=repo,
-        env=prefect_server,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = start_serve(repo, prefect_server, log)
 
     def ready():
         if proc.poll() is not None:
@@ -48,8 +43,10 @@ def served(repo, prefect_server, tmp_path):
         wait_for(ready, 120, "deployment dspark/full served", every=2)
         yield prefect_server
     finally:
-        stop(proc, wait=40)
+        # SIGTERM, as a service manager sends it: flows.serve stops all it started in time.
+        stop(proc, wait=STOP_GRACE_S + SETTLE_S + KILL_WAIT_S)
         log.close()
+    assert processes_in(repo) == []
 
 
 def trigger(repo, env, *args, timeout: float = 600):
@@ -71,11 +68,13 @@ NETNS_SUBNET = f"10.79.{os.getpid() % 250}"
 
 def on_netns_spec(repo) -> str | None:
     """Point the copy's params at its netns spec, under names of its own; why not, when
-    namespaces cannot be made."""
+    namespaces cannot be made (a failure under CI, which must be able to make them)."""
     from dspark.infra import netns
 
     why = netns.missing()
     if why:
+        if under_ci():
+            pytest.fail(f"network namespaces unavailable under CI: {why}", pytrace=False)
         print(f"the chain on the local spec: network namespaces unavailable ({why})")
         return why
     spec = repo / "infra" / "netns-3node.yaml"

@@ -1,20 +1,30 @@
 import subprocess
 import sys
-import time
 
 from dspark.stages import STAGES, dvc_yaml
 
 from ..conftest import ROOT, tool_env
 
 
-def test_help_is_fast():
-    t0 = time.perf_counter()
+def test_help_lists_the_stages_and_imports_nothing_heavy():
+    """What keeps `--help` fast: lazy imports. Its time is measured by evals/bench_cli.py, not
+    asserted here (a shared machine's load would decide a timed test)."""
     res = subprocess.run(
-        [sys.executable, "-m", "dspark", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-X", "importtime", "-m", "dspark", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    assert time.perf_counter() - t0 < 2.0
     for stage in STAGES:
         assert stage.name in res.stdout
+    imported = {
+        line.rsplit("|", 1)[-1].strip().split(".")[0]
+        for line in res.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert {"dspark", "argparse"} <= imported  # the trace was read
+    heavy = {"torch", "transformers", "safetensors", "numpy", "prefect", "mlflow", "dvc"}
+    assert not imported & heavy
 
 
 def test_dvc_yaml_is_derived_from_the_registry():

@@ -171,7 +171,9 @@ def test_long_context_prompts_fit_with_their_chat_template(tiny_target):
     dec.check_fits(len(ids), p.evaluate.max_new_tokens["long_context"], block)
 
 
-def test_the_markov_ablation_decodes_beside_dspark(tiny_target, tiny_target_dir, tmp_path):
+def test_the_markov_ablation_decodes_beside_dspark(
+    tiny_target, tiny_target_dir, tmp_path, monkeypatch, capsys
+):
     """What the full profile's evaluate does with train.markov_ablation's drafts: each variant
     decodes every prompt losslessly and is reported beside vanilla DSpark."""
     (dspark, ids), _ = tiny_drafts(tiny_target)
@@ -203,7 +205,13 @@ def test_the_markov_ablation_decodes_beside_dspark(tiny_target, tiny_target_dir,
     heads = {v: (d.model.cfg.markov_head, d.model.cfg.markov_rank) for v, d in loaded.items()}
     assert heads == {"gated": ("gated", 16), "rnn": ("rnn", 16), "rank0": ("vanilla", 0)}
 
+    monkeypatch.setattr("dspark.progress.LINE_INTERVAL_S", 0.0)  # a line per prompt
+    capsys.readouterr()
     result = evaluate(p, paths)
+    # Off a terminal (a pipe under Prefect, here pytest's capture), progress is whole lines.
+    err = capsys.readouterr().err
+    assert "evaluate: 1/2 prompts (50%)" in err and "evaluate: 2/2 prompts (100%)" in err, err
+    assert not any("\r" in ln for ln in err.split("\n") if "evaluate:" in ln)
     abl = result["markov_ablation"]
     assert set(abl) == {"vanilla", "gated", "rnn", "rank0"}
     for variant in ("gated", "rnn", "rank0"):
@@ -215,3 +223,5 @@ def test_the_markov_ablation_decodes_beside_dspark(tiny_target, tiny_target_dir,
     for label in ("dspark", "none", "gated", "rnn", "rank0"):
         assert records.count(f"|{label}|greedy") == 2, label
     assert "Markov ablation" in paths.report.read_text()
+    evaluate(p, paths, progress=False)  # `--no-progress`: replays the records, says nothing
+    assert "evaluate:" not in capsys.readouterr().err

@@ -10,6 +10,8 @@ import pytest
 from dspark.infra import netns
 from dspark.infra.spec import load_spec
 
+from ..conftest import skip_or_fail
+
 
 def _spec(tmp_path, tag: str, subnet: int):
     # Both specs name their nodes infer-0 and train-0, as every spec in infra/ does.
@@ -51,7 +53,7 @@ def _eth0_addresses(ns: str) -> list[str]:
 def namespaces():
     why = netns.missing()
     if why:
-        pytest.skip(f"network namespaces: {why}")
+        skip_or_fail(f"network namespaces: {why}")
     made = []
     yield made
     for spec in made:

@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 
 from dspark.config import load_params
 from dspark.data import shards
@@ -103,12 +102,20 @@ def test_kept_answers_come_from_the_dataset(tiny_target, tiny_target_dir, tmp_pa
 
 
 def test_sampled_generation_is_reproducible(tiny_target, tiny_target_dir, tmp_path, train_file):
-    sets = ("prepare.sampling.greedy=false",)
-    run(tiny_target, tiny_target_dir, tmp_path / "a", train_file, *sets)
-    run(tiny_target, tiny_target_dir, tmp_path / "b", train_file, *sets)
-    a = list(shards.iter_samples(tmp_path / "a" / "shards"))
-    b = list(shards.iter_samples(tmp_path / "b" / "shards"))
-    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b, strict=True))
+    """The same seed gives the same responses; another seed, another temperature, or greedy
+    decoding gives others (the first check alone passes if the settings are ignored)."""
+
+    def responses(tag: str, *sets: str) -> list[list[int]]:
+        run(tiny_target, tiny_target_dir, tmp_path / tag, train_file, *sets)
+        samples = shards.iter_samples(tmp_path / tag / "shards")
+        return [s.input_ids[s.loss_mask].tolist() for s in samples]
+
+    sampled = ("prepare.sampling.greedy=false",)
+    a = responses("a", *sampled)
+    assert len(a) == 6 and a == responses("b", *sampled)
+    assert responses("seed", *sampled, "prepare.seed=1") != a
+    assert responses("hot", *sampled, "prepare.sampling.temperature=2.0") != a
+    assert responses("greedy") != a
 
 
 def test_no_usable_prompts(tiny_target, tiny_target_dir, tmp_path):

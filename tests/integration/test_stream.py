@@ -18,12 +18,12 @@ from dspark.config import load_params
 from dspark.data.prepare import PreparePaths, prepare
 from dspark.data.shards import iter_samples
 from dspark.extract.capture import HiddenStateCapture
+from dspark.extract.producer import ProducerConfig
 from dspark.extract.stage import extract, open_stream
 from dspark.transport.files import iter_hidden
-from dspark.transport.producer import ProducerConfig
 from dspark.transport.stream import StreamConsumer, batches
 
-from ..conftest import ROOT
+from ..conftest import ROOT, skip_or_fail
 
 pytestmark = pytest.mark.slow
 NUM = 24
@@ -221,7 +221,7 @@ def test_wrong_peer_fails_fast_with_one_line(tmp_path, tiny_target_dir, prepared
     cfg.dump(path)
     t0 = time.monotonic()
     res = subprocess.run(
-        [sys.executable, "-m", "dspark.transport.producer", str(path)],
+        [sys.executable, "-m", "dspark.extract.producer", str(path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -280,8 +280,9 @@ def test_what_our_endpoints_bind(tiny_target_dir, prepared, caplog):
 def test_killed_consumer_restarts_and_producers_reconnect(
     tiny_target, tiny_target_dir, prepared, tmp_path
 ):
+    from dspark.net import free_port
     from dspark.transport.control import Coordinator
-    from dspark.transport.master import MooncakeMaster, free_port
+    from dspark.transport.master import MooncakeMaster
     from dspark.transport.stores import MooncakeStore
 
     ids_file = tmp_path / "consumed.txt"
@@ -311,7 +312,7 @@ def test_killed_consumer_restarts_and_producers_reconnect(
                     [
                         sys.executable,
                         "-m",
-                        "dspark.transport.producer",
+                        "dspark.extract.producer",
                         str(tmp_path / f"p{i}.json"),
                     ]
                 )
@@ -446,7 +447,7 @@ def test_stream_crosses_network_namespaces(tiny_target, tiny_target_dir, prepare
 
     why = netns.missing()
     if why:
-        pytest.skip(f"network namespaces: {why}")
+        skip_or_fail(f"network namespaces: {why}")
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(json.dumps(NETNS_SPEC))  # JSON is YAML
     spec = load_spec(spec_path)

@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dspark.data.shards import TokenSample
+from dspark.drafts import load_draft
 from dspark.errors import DataError
 from dspark.export import export_speculators, import_speculators, roundtrip_diff
 from dspark.extract.capture import HiddenStateCapture
@@ -18,7 +19,7 @@ from dspark.models.vocab import build_draft_ids, count_tokens
 from dspark.schema import Sample
 from dspark.stopping import Stopped, StopRequest
 from dspark.train.batch import TargetHead, collate
-from dspark.train.checkpoint import load_draft, read_state, save_draft
+from dspark.train.checkpoint import read_state, save_draft
 from dspark.train.losses import LossWeights
 from dspark.train.objectives import DSparkObjective
 from dspark.train.sources import Source

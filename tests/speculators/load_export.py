@@ -8,9 +8,15 @@ block_size positions). speculators picks its anchors at random among the loss-ma
 so the loss mask is set exactly at the anchors and max_anchors to their count: then its anchors
 are ours. Its forward returns only a loss, so the logits are assembled from the same pieces its
 forward uses (_backbone_forward, then the Markov bias and the confidence head).
+
+The export names its verifier by public hub id where the target has one; speculators would fetch
+that from the hub. Offline, the verifier is loaded from the local copy the export records under
+our own key (`dspark.verifier_local_path`), as a user with the weights on disk would point it.
 """
 
+import json
 import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,6 +27,9 @@ def main(folder: str, inputs: str, out: str) -> None:
     x = load_file(inputs)
     cfg = DSparkSpeculatorConfig.from_pretrained(folder)
     cfg.transformer_layer_config._attn_implementation = "eager"  # CPU: no flex attention
+    local = json.loads((Path(folder) / "config.json").read_text()).get("dspark", {})
+    if local.get("verifier_local_path"):
+        cfg.speculators_config.verifier.name_or_path = local["verifier_local_path"]
     model = DSparkDraftModel.from_pretrained(folder, config=cfg).eval()
     ids, aux, anchors = x["input_ids"], x["aux"], x["anchors"]
     t = ids.shape[1]

@@ -110,3 +110,25 @@ def test_a_burst_in_one_round_does_not_decide_the_adaptive_goal():
                 x["tok_s"] = 90.0
     goal = assemble(params, merge_rounds(rounds))["goals"]["adaptive_loses_nowhere"]
     assert not goal["met"] and goal["cells"][0]["ratio"] == pytest.approx(0.9, abs=0.01)
+
+
+@pytest.mark.parametrize(("goal", "met"), [(1.5, True), (3.0, False)])
+def test_the_goal_thresholds_are_the_configs(goal, met):
+    params = load_params(
+        ROOT / "params.yaml",
+        overrides=[
+            "benchmark.modes=[none, dspark_fixed]",
+            "benchmark.concurrency=[1]",
+            "benchmark.mixed_concurrency=null",
+            f"benchmark.goals.single_stream_speedup={goal}",
+            "benchmark.goals.ttft_overhead=0.5",
+        ],
+    )
+    # dspark_fixed: twice none's throughput, TTFT 10.0 x tok_s (+100%).
+    cells = merge_rounds([[_cell("none", 10.0), _cell("dspark_fixed", 20.0)]])
+    goals = assemble(params, cells)["goals"]
+    assert goals["single_stream"]["goal"] == goal and goals["single_stream"]["met"] is met
+    assert goals["ttft_overhead"]["goal"] == 0.5 and not goals["ttft_overhead"]["met"]
+    lines = goal_lines(goals)
+    assert any(x.startswith(f"goal single stream >= {goal}x") for x in lines)
+    assert any(x.startswith("goal TTFT overhead <= 50%") for x in lines)

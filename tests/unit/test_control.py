@@ -124,3 +124,76 @@ def test_a_producer_of_another_run_is_told_done_and_fed_nothing():
         assert assigned == [0, 1]
     finally:
         coordinator.close()
+
+
+def assigned(msgs):
+    return [s for m in msgs if m["type"] == "assign" for s in m["sample_ids"]]
+
+
+def wait_until(check, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.02)
+
+
+def serve_all(coordinator, producer, work, count, within=10.0):
+    """Produce `work` and whatever else is assigned, consume it all, until `count` samples are
+    delivered; the ids delivered."""
+    delivered, deadline = [], time.monotonic() + within
+    while len(delivered) < count:
+        assert time.monotonic() < deadline, f"stalled after {delivered}"
+        for sid in [*work, *assigned(producer.messages(0.1))]:
+            producer.send({"type": "ready", "manifest": manifest(sid)})
+        work = []
+        for m, name in coordinator.take_ready(timeout=0.5, limit=count):
+            sid = m["metadata"]["sample_id"]
+            coordinator.fetched(sid, name)
+            coordinator.delivered(sid)
+            delivered.append(sid)
+    return delivered
+
+
+def test_a_late_close_of_a_replaced_connection_leaves_the_new_one_alone():
+    """A producer reconnects under its name before the coordinator has seen its old
+    connection close (the producer releases the old connection's work on reconnecting). When
+    that close is processed last, the new connection keeps its entry and its ready samples,
+    and keeps getting work until the stream is through."""
+    coordinator = Coordinator(list(range(6)), max_in_flight=3, heartbeat_timeout=60)
+    try:
+        old = FakeProducer(coordinator.address, "p")
+        assert assigned(old.messages()) == [0, 1, 2]
+        new = FakeProducer(coordinator.address, "p")
+        work = assigned(new.messages())
+        assert work
+        new.send({"type": "ready", "manifest": manifest(work[0])})
+        new.send({"type": "ready", "manifest": manifest(99)})  # never ours: acked at once,
+        assert {"type": "ack", "sample_id": 99} in new.messages()  # so the ready before is in
+        old.sock.close()
+        wait_until(lambda: coordinator.stats.producers_lost == 1)  # the old one, dropped once
+        assert coordinator.live_producers() == 1
+        (got,) = coordinator.take_ready(timeout=1)
+        assert got == (manifest(work[0]), "p")
+
+        coordinator.fetched(work[0], "p")
+        coordinator.delivered(work[0])
+        delivered = [work[0], *serve_all(coordinator, new, work[1:], 5)]
+        assert sorted(delivered) == list(range(6))
+        assert coordinator.stats.duplicates_dropped == 1  # sample 99 only
+    finally:
+        coordinator.close()
+
+
+def test_a_replaced_connection_that_never_closes_holds_no_work():
+    """The old connection stays open and silent (half-open, as after a network fault), with
+    heartbeats far off: its assignments go to the new connection at once."""
+    coordinator = Coordinator(list(range(6)), max_in_flight=3, heartbeat_timeout=60)
+    try:
+        old = FakeProducer(coordinator.address, "p")
+        assert assigned(old.messages()) == [0, 1, 2]
+        new = FakeProducer(coordinator.address, "p")
+        assert sorted(serve_all(coordinator, new, [], 6)) == list(range(6))
+        assert coordinator.live_producers() == 1 and coordinator.stats.producers_lost == 1
+        old.sock.close()
+    finally:
+        coordinator.close()

@@ -3,7 +3,7 @@ and distinct-n; prompt selection; the report."""
 
 import pytest
 
-from dspark.config import NgramConfig
+from dspark.config import EvalGoals, NgramConfig
 from dspark.data.prompts import Prompt, user
 from dspark.decode.engine import RowTrace, Timing
 from dspark.evaluate.report import report_markdown
@@ -84,9 +84,14 @@ def test_select_prompts_keeps_order_and_caps():
 
 
 def test_goals_and_ngram_windows():
-    g = goals({"dspark": 2.4, "eagle3": 2.0, "ngram": 1.5, "none": 1.0})
+    mean = {"dspark": 2.4, "eagle3": 2.0, "ngram": 1.5, "none": 1.0}
+    g = goals(mean, EvalGoals())
     assert g["dspark_over_eagle3"] == {"ratio": 1.2, "goal": 1.15, "met": True}
     assert g["dspark_over_ngram"]["met"] is True
+    # The thresholds are evaluate.goals', not the code's.
+    stricter = goals(mean, EvalGoals(dspark_over_eagle3=1.25))
+    assert stricter["dspark_over_eagle3"] == {"ratio": 1.2, "goal": 1.25, "met": False}
+    assert "dspark_over_ngram" not in goals({"dspark": 2.4, "eagle3": 2.0}, EvalGoals())
     with pytest.raises(ValueError, match="min above max"):
         NgramConfig(windows=[(4, 2)])
 

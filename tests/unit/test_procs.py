@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dspark.procs import stop_processes
+from dspark.procs import alive, stop_processes
 from tasks import proc
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -34,16 +34,6 @@ CLEANS_UP = [
 def _ready(proc: subprocess.Popen) -> subprocess.Popen:
     assert proc.stdout.readline().strip() == "ready"
     return proc
-
-
-def _alive(pid: int) -> bool:
-    """Running, not a zombie (this container's init may be slow to reap, or never)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def test_a_running_process_ends_on_sigterm():
@@ -104,9 +94,9 @@ def _leader(child: list[str], ignore_term: bool) -> tuple[subprocess.Popen, int]
 
 def _gone(pid: int) -> bool:
     deadline = time.monotonic() + 5  # the grandchild is init's to reap now
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _alive(pid)
+    return not alive(pid)
 
 
 def test_group_stop_ends_what_the_child_started():

@@ -2,9 +2,12 @@
 fingerprinted by the same code files DVC hashes for the stage."""
 
 import json
+from pathlib import Path
 
 from dspark.records import PKG, Records, code_files, fingerprint
 from dspark.stages import BY_NAME
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_code_files_are_the_library_files_among_the_stage_deps():
@@ -18,7 +21,7 @@ def test_code_files_are_the_library_files_among_the_stage_deps():
 def test_every_module_a_recorded_stage_imports_for_its_outcomes_is_fingerprinted():
     for stage in ("evaluate", "benchmark"):
         names = {str(f.relative_to(PKG)) for f in code_files(BY_NAME[stage].deps)}
-        assert {"records.py", "data/prompts.py", "train/checkpoint.py"} <= names, stage
+        assert {"records.py", "config.py", "data/prompts.py", "drafts.py"} <= names, stage
 
 
 def test_fingerprint_follows_the_basis_the_inputs_and_the_code(tmp_path):
@@ -46,3 +49,24 @@ def test_a_rerun_keeps_what_finished_and_a_new_fingerprint_drops_it(tmp_path):
     assert not (tmp_path / "aaaa.jsonl").exists()
     again.clear()
     assert not again.done
+
+
+def test_each_recorded_stage_passes_its_own_deps_down_for_the_fingerprint(tmp_path, monkeypatch):
+    """The stage registry hands a stage its deps (`paths.code`): the library below it never
+    imports the registry to look them up."""
+    import dspark.evaluate.stage
+    import dspark.serve.bench
+    from dspark.config import load_params
+    from dspark.stages import StageContext
+
+    seen = {}
+    monkeypatch.setattr(
+        dspark.evaluate.stage, "evaluate", lambda p, paths, **_: seen.update(evaluate=paths)
+    )
+    monkeypatch.setattr(
+        dspark.serve.bench, "benchmark", lambda p, paths, root, **_: seen.update(benchmark=paths)
+    )
+    ctx = StageContext(params=load_params(ROOT / "params.yaml"), root=tmp_path)
+    for stage in ("evaluate", "benchmark"):
+        BY_NAME[stage].run(ctx)
+        assert seen[stage].code == BY_NAME[stage].deps, stage

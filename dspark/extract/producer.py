@@ -1,11 +1,12 @@
 """A producer process of the inference plane: its own target, capturing and publishing samples.
 
-    python -m dspark.transport.producer CONFIG.json
+    python -m dspark.extract.producer CONFIG.json
 
 It connects to every consumer's coordinator (one per trainer rank), captures what each assigns,
 stores the payload, announces the manifest to that consumer, heartbeats, and frees a payload
 once its consumer acknowledges it. A lost coordinator (a restarted consumer) is reconnected to;
-the work it had assigned is discarded.
+the work it had assigned is discarded. The bytes move through dspark.transport (the control
+protocol, the payload stores and the wire manifest); capturing them is extraction's job.
 """
 
 from __future__ import annotations

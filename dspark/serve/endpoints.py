@@ -1,0 +1,73 @@
+"""The benchmark's endpoints: `dspark endpoint` for one mode, as a subprocess on loopback,
+with its health check and step counters. (`vllm_mode.VllmEndpoint` is the same for vLLM's own
+server.)"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from dspark.procs import stop_processes
+
+READY_TIMEOUT_S = 900.0  # loading plus the adaptive mode's verify-cost profile
+
+
+class EndpointProcess:
+    """An endpoint (`dspark.serve.server`) for one mode, in this process group (a group kill
+    reaches it), with its log in `log`. A context manager: the server is stopped, and its port
+    freed, on exit."""
+
+    client_args: tuple[str, ...] = ()  # what the load client adds for this server
+
+    def __init__(
+        self,
+        mode: str,
+        host: str,
+        port: int,
+        root: Path,
+        log: Path,
+        resolved: Path,
+        target: Path,
+        drafts: Path,
+    ):
+        self.mode, self.url = mode, f"http://{host}:{port}"
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log.open("w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        argv = [sys.executable, "-m", "dspark.serve.server", str(resolved), mode, host, str(port)]
+        argv += [str(target), str(drafts)]
+        self.proc = subprocess.Popen(
+            argv, cwd=root, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = " | ".join(self.log.read_text().strip().splitlines()[-3:])
+                raise RuntimeError(f"endpoint {self.mode} exited ({self.proc.returncode}): {tail}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise RuntimeError(f"endpoint {self.mode}: not ready after {timeout:.0f} s ({self.log})")
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/v1/dspark/stats", timeout=10.0).json()
+
+    def stop(self) -> None:
+        stop_processes([self.proc], grace=30)
+        self._log.close()
+
+    def __enter__(self) -> EndpointProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

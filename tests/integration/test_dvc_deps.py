@@ -1,0 +1,53 @@
+"""DVC reruns a stage when a default it runs on changes, and only then: a scratch copy of the
+repo, the train stage committed as it stands, then one default edited in the copy's code."""
+
+import json
+import subprocess
+
+from ..conftest import copy_repo, tool_env
+
+# A default that params.yaml leaves unset, so only config.py decides it.
+DEFAULT = "    ce_weight: Annotated[float, Field(ge=0.0)] = 0.1\n"
+EDITED = "    ce_weight: Annotated[float, Field(ge=0.0)] = 0.2\n"
+
+
+def dvc(repo, *args) -> str:
+    res = subprocess.run(
+        ["dvc", *args], cwd=repo, capture_output=True, text=True, env=tool_env(), timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def train_status(repo) -> list:
+    return json.loads(dvc(repo, "status", "train", "--json") or "{}").get("train", [])
+
+
+def test_a_changed_default_reruns_the_stage_and_an_unrelated_module_does_not(tmp_path):
+    repo = copy_repo(tmp_path / "repo")
+    # The stage's data and outputs, as placeholders: the code deps are what is under test.
+    for rel in (
+        "artifacts/target/t",
+        "artifacts/shards/s",
+        "artifacts/hidden/h",
+        "artifacts/drafts/d",
+        "artifacts/checkpoints/train/c",
+        "plots/train_curves.csv",
+        "plots/train_curves.png",
+    ):
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(rel)
+    (repo / "metrics").mkdir(exist_ok=True)
+    (repo / "metrics/train.json").write_text("{}")
+    dvc(repo, "commit", "--force", "train")
+    assert train_status(repo) == []
+
+    client = repo / "dspark/serve/client.py"  # serving code: train never runs it
+    client.write_text(client.read_text() + "\n# an edit train does not run\n")
+    assert train_status(repo) == []
+
+    config = repo / "dspark/config.py"
+    assert DEFAULT in config.read_text()
+    config.write_text(config.read_text().replace(DEFAULT, EDITED))
+    changed = train_status(repo)
+    assert {"changed deps": {"dspark/config.py": "modified"}} in changed, changed

@@ -1,0 +1,106 @@
+"""Importing a speculators DSpark folder whose config.json omits keys: each omitted key means
+what speculators' own config says (export.SPECULATORS_DEFAULTS), not what our params default to.
+tests/speculators/test_defaults.py checks that table against speculators itself."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from dspark import export
+from dspark.errors import DataError
+from dspark.export import SPECULATORS_DEFAULTS, export_speculators, import_speculators
+from dspark.models.dspark import DSparkConfig, DSparkDraft
+
+from .test_drafts import SHAPE, VOCAB
+
+DRAFT_VOCAB = 20
+VERIFIER = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": SHAPE.hidden_size,
+    "num_attention_heads": SHAPE.num_heads,
+    "num_key_value_heads": SHAPE.num_kv_heads,
+    "head_dim": SHAPE.head_dim,
+    "intermediate_size": SHAPE.intermediate_size,
+    "rms_norm_eps": SHAPE.rms_norm_eps,
+    "rope_theta": SHAPE.rope_theta,
+    "max_position_embeddings": SHAPE.max_position,
+    "vocab_size": VOCAB,
+    "num_hidden_layers": 2,
+}
+# The keys speculators fills in itself, and the config fields they set.
+OPTIONAL = {
+    "block_size": "block_size",
+    "markov_rank": "markov_rank",
+    "markov_head_type": "markov_head",
+    "enable_confidence_head": "confidence_head",
+    "confidence_head_with_markov": "confidence_with_markov",
+}
+
+
+def exported(tmp_path, omit, **arch):
+    """A tiny draft built as `arch` says, exported, then its config.json stripped of `omit`."""
+    arch = {"block_size": 4, **arch}
+    torch.manual_seed(0)
+    embed = nn.Embedding(VOCAB, SHAPE.hidden_size)
+    cfg = DSparkConfig(
+        layer=SHAPE,
+        num_layers=1,
+        aux_layers=(0, 1),
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        mask_token_id=VOCAB - 1,
+        **arch,
+    )
+    model = DSparkDraft(cfg, embed, torch.randn(DRAFT_VOCAB, SHAPE.hidden_size))
+    ids = torch.arange(DRAFT_VOCAB) * 2
+    out = tmp_path / "export"
+    export_speculators(model, ids, out, verifier_config=VERIFIER, verifier_path="verifier")
+    doc = json.loads((out / "config.json").read_text())
+    for key in omit:
+        del doc[key]
+    (out / "config.json").write_text(json.dumps(doc))
+    return out, model, embed, ids
+
+
+def speculators_arch() -> dict:
+    return {field: SPECULATORS_DEFAULTS[key] for key, field in OPTIONAL.items()}
+
+
+def test_omitted_keys_take_speculators_defaults(tmp_path):
+    omit = [*OPTIONAL, "sample_from_anchor"]
+    out, model, embed, ids = exported(tmp_path, omit, **speculators_arch())
+    back, back_ids = import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))
+    assert back.cfg == model.cfg
+    assert {f: getattr(back.cfg, f) for f in OPTIONAL.values()} == speculators_arch()
+    assert torch.equal(back_ids, ids)
+    assert export.roundtrip_diff(model, back) == 0.0
+
+
+def test_an_omitted_key_follows_speculators_even_where_ours_differs(tmp_path, monkeypatch):
+    """Were speculators to default the confidence head off while our params default it on,
+    a config.json that omits the key describes a draft without one."""
+    assert DSparkConfig.__dataclass_fields__["confidence_head"].default is True  # ours
+    monkeypatch.setitem(SPECULATORS_DEFAULTS, "enable_confidence_head", False)
+    arch = {**speculators_arch(), "confidence_head": False}
+    out, model, embed, _ = exported(tmp_path, ["enable_confidence_head"], **arch)
+    back, _ = import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))
+    assert back.cfg.confidence_head is False and back.confidence_head is None
+    assert back.cfg == model.cfg
+
+
+def test_an_omitted_key_without_a_default_is_one_line(tmp_path):
+    out, _, embed, _ = exported(tmp_path, ["mask_token_id"], markov_rank=8)
+    with pytest.raises(DataError, match=r"config\.json: malformed speculators config"):
+        import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))
+
+
+def test_a_combination_the_model_refuses_is_a_data_error(tmp_path):
+    out, _, embed, _ = exported(tmp_path, [], markov_rank=8)
+    doc = json.loads((out / "config.json").read_text())
+    doc.update(markov_rank=0, confidence_head_with_markov=True, enable_confidence_head=True)
+    (out / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(DataError, match="confidence_with_markov needs markov_rank > 0"):
+        import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))

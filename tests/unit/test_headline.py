@@ -1,0 +1,60 @@
+"""A pipeline's headline figures (dspark.headline), from the committed metrics files."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dspark.headline import headline, read_docs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("folder", ["metrics", "metrics/full"])
+def test_headline_of_the_committed_metrics(folder):
+    docs = read_docs(ROOT / folder)
+    assert set(docs) == {"train", "eval", "bench", "run"}
+    metrics, tags = headline(docs)
+    ev, bench, train, run = (docs[k] for k in ("eval", "bench", "train", "run"))
+    methods = {k: v for k, v in ev["mean"].items() if k != "none"}
+    assert {k: metrics[f"tau_mean.{k}"] for k in methods} == methods
+    assert "tau_mean.none" not in metrics and "speedup_c1.none" not in metrics
+    assert metrics["lossless_mismatches"] == ev["lossless"]["mismatches"]
+    modes = [m for m in bench["overall"] if m != "none"]
+    assert {f"speedup_c1.{m}": bench["overall"][m]["speedup_c1"] for m in modes} == {
+        k: v for k, v in metrics.items() if k.startswith("speedup_c1.")
+    }
+    assert metrics["tau_sim.dspark"] == train["dspark"]["tau_sim"]
+    assert metrics["tau_sim.eagle3"] == train["eagle3"]["tau_sim"]
+    assert metrics["total_wall_s"] == run["total_wall_s"]
+    assert "tau_mean.dspark" in metrics and "speedup_c1.dspark_adaptive" in metrics
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert tags["profile"] == run["profile"] and tags["git_commit"] == run["git_commit"]
+
+
+def test_the_two_committed_profiles_differ_where_a_table_should_show_it():
+    default, _ = headline(read_docs(ROOT / "metrics"))
+    full, tags = headline(read_docs(ROOT / "metrics/full"))
+    assert set(default) == set(full)  # same columns in the runs table
+    assert default["total_wall_s"] != full["total_wall_s"]
+    assert tags["profile"] == "full"
+
+
+def test_missing_stale_and_cached_files(tmp_path):
+    for name in ("eval.json", "run.json"):
+        shutil.copy(ROOT / "metrics" / name, tmp_path / name)
+    (tmp_path / "bench.json").write_text("{not json")
+    train = json.loads((ROOT / "metrics/full/train.json").read_text())  # profile `full`
+    (tmp_path / "train.json").write_text(json.dumps(train))
+    run = json.loads((tmp_path / "run.json").read_text())
+    run["stages"]["train"]["cached"] = True
+    run["stages"]["evaluate"]["cached"] = False
+    (tmp_path / "run.json").write_text(json.dumps(run))
+
+    metrics, tags = headline(read_docs(tmp_path, profile="default"))
+    assert "tau_mean.dspark" in metrics and "total_wall_s" in metrics
+    assert not any(k.startswith(("speedup_c1.", "tau_sim.")) for k in metrics)
+    assert tags["cached_stages"] == "train"
+    assert "tau_sim.dspark" in headline(read_docs(tmp_path))[0]  # no profile: any file counts
+    assert headline({}) == ({}, {})
