@@ -83,7 +83,7 @@ def _with_parents(name: str) -> set[str]:
 
 def closure(modules: Iterable[str]) -> list[str]:
     """Every `dspark` module that importing `modules` can load or start, as paths relative to
-    the repo root, sorted."""
+    the repo root, sorted; empty files left out."""
     seen: set[str] = set()
     todo = [m for name in modules for m in _with_parents(name)]
     while todo:
@@ -94,7 +94,9 @@ def closure(modules: Iterable[str]) -> list[str]:
         imported, run = _read(name)
         for other in imported | run:
             todo += _with_parents(other)
-    return sorted(str(module_path(n).relative_to(ROOT)) for n in seen)  # type: ignore[union-attr]
+    paths = [module_path(n) for n in seen]
+    # An empty __init__.py holds no code to depend on (and DVC warns of an empty dep).
+    return sorted(str(p.relative_to(ROOT)) for p in paths if p and p.stat().st_size)
 
 
 def imports_of_function(fn: Callable) -> set[str]:

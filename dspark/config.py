@@ -395,7 +395,15 @@ class EvaluateConfig(Section):
         description="generation cap per category",
     )
     prompts_per_category: PosInt | None = Field(
-        None, description="evaluate the first N prompts of each category (default: all)"
+        None, description="evaluate the first N prompts of each of the nine (default: all)"
+    )
+    long_prompts_per_case: PosInt | None = Field(
+        None, description="the same for each long-context case (default: all)"
+    )
+    batch_size: PosInt = Field(
+        8,
+        description="prompts of a category decoded together, per method: tau and the greedy "
+        "tokens do not depend on it (single-stream speed is the benchmark's)",
     )
     temperature: Annotated[float, Field(gt=0.0)] = Field(
         0.7, description="the sampling run's temperature (lossless rejection sampling)"

@@ -10,6 +10,7 @@ off a terminal, `bar` writes a plain line, flushed, when work is done and at mos
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterable
 from typing import IO, Any
@@ -30,17 +31,21 @@ def is_terminal(stream: IO[str]) -> bool:
         return False
 
 
+# What tqdm writes to move between bars stacked on a terminal ("\x1b[A": cursor up).
+_CURSOR = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 class _Lines:
     """A file for tqdm that turns its redraws ("\\r" + text + padding) into whole lines and
-    drops the bare "\\r" and "\\n" it writes around them, and a repeat of the last line (its
-    close redraws the final count)."""
+    drops the bare "\\r" and "\\n" it writes around them, the cursor moves between several
+    bars, and a repeat of the last line (its close redraws the final count)."""
 
     def __init__(self, stream: IO[str]):
         self.stream = stream
         self.last = ""
 
     def write(self, s: str) -> None:
-        text = s.strip("\r\n").rstrip()
+        text = _CURSOR.sub("", s).strip("\r\n").rstrip()
         if text and text != self.last:
             self.last = text
             self.stream.write(text + "\n")

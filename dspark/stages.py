@@ -204,6 +204,7 @@ def _benchmark(ctx: StageContext) -> dict:
         logs=ctx.path(BENCH_LOGS),
         records=ctx.path(BENCH_RECORDS),
         code=BY_NAME["benchmark"].deps,
+        offline=ctx.path(BY_NAME["evaluate"].metrics),
     )
     return benchmark(ctx.params, paths, ctx.root, progress=ctx.progress)
 
@@ -320,11 +321,8 @@ STAGES: tuple[Stage, ...] = (
         help="serve each mode on loopback and sweep concurrency with a load client",
         run=_benchmark,
         params=("target", "provision", "serve", "benchmark", "train.dspark.block_size"),
-        inputs=(
-            TARGET_DIR,
-            DRAFTS,
-            EVAL_PROMPTS,
-        ),
+        # The evaluation's metrics: offline tau beside the served one (served_vs_offline).
+        inputs=(TARGET_DIR, DRAFTS, EVAL_PROMPTS, "metrics/eval.json"),
         # Its records (BENCH_RECORDS) are a checkpoint, not a product: like logs/, DVC leaves
         # them alone, and the fingerprint in their name says which run they resume.
         outs=(),

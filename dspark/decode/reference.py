@@ -22,21 +22,40 @@ class Reference:
     def __init__(self, target: Target):
         self.target = target
 
-    @torch.no_grad()
     def generate(self, ids: list[int], max_new: int) -> tuple[list[int], float]:
         """The greedy continuation of `ids` (static cache) and the seconds it took."""
-        x = torch.tensor([ids])
+        rows, seconds = self.generate_batch([ids], max_new)
+        return rows[0], seconds
+
+    @torch.no_grad()
+    def generate_batch(
+        self, prompts: list[list[int]], max_new: int
+    ) -> tuple[list[list[int]], float]:
+        """The greedy continuation of each prompt, generated together (left-padded, static
+        cache), and the seconds the batch took. A row ends at its first EOS, as it would alone:
+        generate pads a finished row with EOS while the others go on."""
+        eos = self.target.eos_token_id
+        width = max(len(p) for p in prompts)
+        x = torch.full((len(prompts), width), eos, dtype=torch.long)
+        mask = torch.zeros_like(x)
+        for i, p in enumerate(prompts):
+            x[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         t0 = time.perf_counter()
         out = self.target.model.generate(
             input_ids=x,
-            attention_mask=torch.ones_like(x),
+            attention_mask=mask,
             max_new_tokens=max_new,
             do_sample=False,
-            eos_token_id=self.target.eos_token_id,
-            pad_token_id=self.target.eos_token_id,
+            eos_token_id=eos,
+            pad_token_id=eos,
             cache_implementation="static",
         )
-        return out[0, len(ids) :].tolist(), time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        rows = []
+        for row in out[:, width:].tolist():
+            rows.append(row[: row.index(eos) + 1] if eos in row else row)
+        return rows, seconds
 
     @torch.no_grad()
     def compare(self, ids: list[int], want: list[int], got: list[int]) -> str:

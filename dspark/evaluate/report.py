@@ -84,24 +84,43 @@ def write_plots(result: dict, folder: Path) -> None:
     plt.close(fig)
 
 
+VERDICTS = {
+    "met": "met (the whole interval clears it)",
+    "missed": "missed (the whole interval falls short)",
+    "straddles": "not shown: the interval straddles the goal",
+}
+
+
+def _tau_cell(tau: float | None, ci: list[float] | None) -> str:
+    if tau is None:
+        return "n/a"
+    return f"{tau:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else f"{tau:.2f}"
+
+
 def report_markdown(result: dict) -> str:
     methods = list(result["mean"])
     lines = [
         f"# Evaluation ({result.get('profile', '')} profile)",
         "",
         "tau = tokens emitted per target verify step (accepted drafts + the target's token); "
-        "greedy, one prompt at a time.",
+        "greedy, [95% bootstrap interval over the prompts].",
         "",
-        "| category | " + " | ".join(methods) + " | prompts |",
-        "|---|" + "---|" * (len(methods) + 1),
+        "| category | prompts | tokens | " + " | ".join(methods) + " |",
+        "|---|---|---|" + "---|" * len(methods),
     ]
     for c, row in result["categories"].items():
-        cells = " | ".join(f"{row[m]['tau']:.2f}" if row[m]["tau"] else "n/a" for m in methods)
-        lines.append(f"| {c} | {cells} | {result['prompts'].get(c, '')} |")
-    means = " | ".join(
-        f"**{result['mean'][m]:.2f}**" if result["mean"][m] else "n/a" for m in methods
-    )
-    lines.append(f"| mean of the nine | {means} | |")
+        cells = " | ".join(_tau_cell(row[m]["tau"], row[m].get("tau_ci95")) for m in methods)
+        tokens = row[methods[0]].get("tokens", "")
+        lines.append(f"| {c} | {result['prompts'].get(c, '')} | {tokens} | {cells} |")
+    ci = result.get("mean_ci95", {})
+    means = " | ".join(f"**{_tau_cell(result['mean'][m], ci.get(m))}**" for m in methods)
+    lines.append(f"| mean of the nine | | | {means} |")
+    if result.get("pairs"):
+        lines += ["", "| mean tau over mean tau, same prompts | ratio | 95% interval |"]
+        lines.append("|---|---|---|")
+        for name, p in result["pairs"].items():
+            lo, hi = p["ci95"] or ("n/a", "n/a")
+            lines.append(f"| {name} | {p['ratio']} | [{lo}, {hi}] |")
     lines += [
         "",
         "| method | tok/s | speedup vs none | draft share | distinct-2 |",
@@ -150,8 +169,11 @@ def report_markdown(result: dict) -> str:
             f"sweep taus {result['ngram_sweep']}."
         )
     for name, g in result.get("goals", {}).items():
+        interval = f" [{g['ci95'][0]}, {g['ci95'][1]}]" if g.get("ci95") else ""
         lines.append(
-            f"Goal {name}: {g['ratio']} (goal {g['goal']}): {'met' if g['met'] else 'not met'}."
+            f"Goal {name}: {g['ratio']}{interval} (goal {g['goal']}): "
+            + VERDICTS.get(g.get("verdict"), "met" if g["met"] else "not met")
+            + "."
         )
     if "markov_ablation" in result:
         abl = ", ".join(f"{v} {d['mean_tau']}" for v, d in result["markov_ablation"].items())

@@ -2,6 +2,7 @@
 
 tau          tokens emitted per target verify step (accepted drafts + the target's own token),
              over all steps of all prompts; 1.0 for plain decoding
+tau_ci95     its 95% bootstrap interval over the prompts (dspark.evaluate.stats); n prompts
 pos_accept   per draft slot j: P(slot j accepted | slots before it accepted), over the steps
              that proposed slot j and reached it
 distinct_2   distinct token bigrams / bigrams of an output, averaged over prompts; a looping
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dspark.decode.engine import RowTrace, Timing
+from dspark.evaluate.stats import tau_interval
 
 
 def distinct_n(tokens: list[int], n: int = 2) -> float:
@@ -34,8 +36,10 @@ class Tally:
     reached: list[int] = field(default_factory=list)  # per slot
     accepted: list[int] = field(default_factory=list)
     distinct: list[float] = field(default_factory=list)
+    outcomes: list[tuple[int, int]] = field(default_factory=list)  # per prompt: (emitted, steps)
 
     def add(self, trace: RowTrace, timing: Timing) -> None:
+        self.outcomes.append((sum(trace.emitted), trace.steps))
         self.steps += trace.steps
         self.emitted += sum(trace.emitted)
         self.tokens += len(trace.tokens)
@@ -57,6 +61,7 @@ class Tally:
             self.reached[j] += r
             self.accepted[j] += a
         self.distinct.extend(other.distinct)
+        self.outcomes.extend(other.outcomes)
 
     def _grow(self, n: int) -> None:
         while len(self.reached) < n:
@@ -72,7 +77,9 @@ class Tally:
         decode_s = self.draft_s + self.verify_s
         total_s = self.prefill_s + decode_s
         return {
+            "n": len(self.outcomes),
             "tau": round(self.tau, 4) if self.steps else None,
+            "tau_ci95": tau_interval(self.outcomes),
             "pos_accept": [
                 round(a / r, 4) if r else None
                 for a, r in zip(self.accepted, self.reached, strict=True)

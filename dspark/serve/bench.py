@@ -18,6 +18,7 @@ cell knows its steps and how its time split between drafting and verification. M
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from dspark.progress import say
 from dspark.records import Records, fingerprint
 from dspark.serve import report
 from dspark.serve.measure import hf_baseline, measure
+from dspark.serve.offline import served_vs_offline
 from dspark.serve.rounds import paired_ratio, per_round, round_max, spread
 from dspark.serve.workload import build_requests
 from dspark.stopping import exit_on_sigterm
@@ -44,6 +46,7 @@ class BenchPaths:
     logs: Path
     records: Path  # the cells measured so far: the stage's checkpoint
     code: tuple[str, ...] = ()  # the stage's DVC deps: the library code its records depend on
+    offline: Path | None = None  # the evaluate stage's metrics: offline tau beside served tau
 
 
 def bench_records(params: Params, paths: BenchPaths) -> Records:
@@ -102,6 +105,11 @@ def benchmark(
     if len(verify_costs) > 1:
         result["verify_cost_earlier"] = verify_costs[:-1]
     result["resumed_cells"] = resumed
+    if paths.offline is not None and paths.offline.is_file():
+        offline = json.loads(paths.offline.read_text())
+        result["served_vs_offline"] = served_vs_offline(
+            cells, offline, params.benchmark.workload, params.benchmark.mixed_concurrency
+        )
     report.write_plots(result, paths.plots)
     report.write_report(result, paths.report)
     log(report.table(result))

@@ -135,5 +135,30 @@ def write_report(result: dict, path: Path) -> None:
         "",
         "The seed's figures (GB300, Kimi K3): single stream 110 -> 435 tok/s (3.95x); "
         "concurrency 1 -> 16 aggregate 177 -> 683 tok/s, median TTFT 379 -> 479 ms.",
+        *served_lines(result.get("served_vs_offline", [])),
     ]
     write_text(path, "\n".join(lines) + "\n")
+
+
+def served_lines(rows: list[dict]) -> list[str]:
+    """Served tau beside the evaluation's (offline) tau of the same method and category."""
+    if not rows:
+        return []
+    out = [
+        "",
+        "## Served beside offline acceptance",
+        "",
+        "| mode | category | concurrency | served tau | offline tau [95%] | |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ci = r["offline_ci95"]
+        interval = f" [{ci[0]}, {ci[1]}]" if ci else ""
+        note = "outside the interval" if r["gap"] else ""
+        if r.get("expected"):
+            note += f" (expected: {r['expected']})"
+        out.append(
+            f"| {r['mode']} | {r['category']} | {r['concurrency']} | {r['served_tau']} "
+            f"| {r['offline_tau']}{interval} | {note} |"
+        )
+    return out

@@ -321,6 +321,10 @@ class Trainer:
             run.curve.append([round(run.wall_s, 3), self.tokens, result["tau_sim"]])
             logged[f"{run.name}/eval_tau_sim"] = result["tau_sim"]
             logged[f"{run.name}/eval_loss"] = result["loss"]
+            # Beside it in the draft's run, so a chart can put held-out tau_sim against the
+            # tokens trained on and the draft's own training seconds, not only the step.
+            logged[f"{run.name}/eval_tokens"] = self.tokens
+            logged[f"{run.name}/eval_wall_s"] = round(run.wall_s, 3)
         self.eval_s += time.perf_counter() - t0
         if self.events:
             self.events.log(self.step, tokens=self.tokens, **logged)

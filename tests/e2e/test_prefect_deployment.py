@@ -128,6 +128,9 @@ def check_stage_outputs(repo, on_netns: bool) -> None:
         assert {(mode, 1, "math_reasoning"), (mode, 2, "math_reasoning"), (mode, 2, "mix")} <= cells
     assert all(c["tok_s"] > 0 and c.get("errors", 0) == 0 for c in bench["cells"])
     assert {"predicted_speedup_c1", "crossover_concurrency", "goals"} <= bench.keys()
+    # The served tau beside the evaluation's, per mode, for the workload and the mixed cell.
+    served = {(r["mode"], r["category"]) for r in bench["served_vs_offline"]}
+    assert {("dspark_fixed", "math_reasoning"), ("eagle3", "mix")} <= served
     assert (repo / "plots" / "bench.png").is_file()
 
 
@@ -151,7 +154,7 @@ def test_deployment_runs_the_chain_and_everything_agrees(repo, served):
     summary = json.loads((repo / "metrics" / "run.json").read_text())
     assert summary["profile"] == "smoke" and set(summary["stages"]) == {s.name for s in STAGES}
 
-    _, all_runs = runs(repo)
+    client, all_runs = runs(repo)
     parents = [r for r in all_runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 1
     parent = parents[0]
@@ -175,6 +178,11 @@ def test_deployment_runs_the_chain_and_everything_agrees(repo, served):
     for r in drafts:
         assert r.data.tags["stage"] == "train"
         assert {"tau_sim", "eval_tau_sim", "final.tau_sim", "final.wall_s"} <= r.data.metrics.keys()
+        # held-out tau_sim per evaluation point, charted against tokens and training seconds
+        history = client.get_metric_history(r.info.run_id, "eval_tau_sim")
+        tokens = client.get_metric_history(r.info.run_id, "eval_tokens")
+        assert len(history) >= 2 and [m.step for m in history] == [m.step for m in tokens]
+        assert "eval_wall_s" in r.data.metrics
     # The evaluation: one child run per method under the evaluate stage's run.
     evaluate = next(c for c in children if c.data.tags["stage"] == "evaluate")
     methods = [r for r in all_runs if r.data.tags.get("mlflow.parentRunId") == evaluate.info.run_id]

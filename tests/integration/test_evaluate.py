@@ -171,6 +171,41 @@ def test_long_context_prompts_fit_with_their_chat_template(tiny_target):
     dec.check_fits(len(ids), p.evaluate.max_new_tokens["long_context"], block)
 
 
+def test_a_batch_decodes_each_prompt_as_it_decodes_alone(tiny_target_dir, drafts, tmp_path):
+    """tau does not depend on the batch: every method's per-prompt tokens, acceptances and tau
+    are those of one-at-a-time decoding, and the reference batched equals it alone."""
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+
+    def run(batch: int) -> dict[str, dict]:
+        paths = EvalPaths(
+            target=tiny_target_dir,
+            drafts=drafts,
+            prompts=prompts,
+            plots=tmp_path / f"plots{batch}",
+            report=tmp_path / f"report{batch}.md",
+            records=tmp_path / f"records{batch}",
+        )
+        over = ["evaluate.lm_eval.limit=0", "evaluate.sampling_prompts_per_category=0"]
+        evaluate(params(f"evaluate.batch_size={batch}", *over), paths)
+        record = next((tmp_path / f"records{batch}").glob("*.jsonl"))
+        recs = [json.loads(line) for line in record.read_text().splitlines()]
+        return {r["key"]: r for r in recs}
+
+    alone, together = run(1), run(4)
+    assert alone.keys() == together.keys()
+    decodes = [k for k in alone if k.endswith("|greedy")]
+    assert len(decodes) >= 16  # 4 prompts x 4 methods, and the sweep's
+    for key in decodes:
+        a, b = alone[key]["trace"], together[key]["trace"]
+        assert (a["tokens"], a["accepted"], a["emitted"]) == (
+            b["tokens"],
+            b["accepted"],
+            b["emitted"],
+        ), key
+    for key in (k for k in alone if k.endswith("|reference")):
+        assert alone[key]["tokens"] == together[key]["tokens"], key
+
+
 def test_the_markov_ablation_decodes_beside_dspark(
     tiny_target, tiny_target_dir, tmp_path, monkeypatch, capsys
 ):
@@ -199,18 +234,22 @@ def test_the_markov_ablation_decodes_beside_dspark(
         "evaluate.prompts_per_category=1",
         "evaluate.sampling_prompts_per_category=0",
         "evaluate.lm_eval.limit=0",
+        "evaluate.batch_size=1",  # a progress line per prompt
     )
     # Each variant's own draft is loaded, by its folder's name.
     loaded = Evaluation(p, tiny_target, paths).ablation
     heads = {v: (d.model.cfg.markov_head, d.model.cfg.markov_rank) for v, d in loaded.items()}
     assert heads == {"gated": ("gated", 16), "rnn": ("rnn", 16), "rank0": ("vanilla", 0)}
 
-    monkeypatch.setattr("dspark.progress.LINE_INTERVAL_S", 0.0)  # a line per prompt
+    monkeypatch.setattr("dspark.progress.LINE_INTERVAL_S", 0.0)  # a line per batch
     capsys.readouterr()
     result = evaluate(p, paths)
-    # Off a terminal (a pipe under Prefect, here pytest's capture), progress is whole lines.
+    # Off a terminal (a pipe under Prefect, here pytest's capture), progress is whole lines, a
+    # bar per method over the prompts.
     err = capsys.readouterr().err
-    assert "evaluate: 1/2 prompts (50%)" in err and "evaluate: 2/2 prompts (100%)" in err, err
+    for m in ("dspark", "none", "dspark_gated"):
+        assert f"evaluate: {m}: 1/2 prompts (50%)" in err, err
+        assert f"evaluate: {m}: 2/2 prompts (100%)" in err, err
     assert not any("\r" in ln for ln in err.split("\n") if "evaluate:" in ln)
     abl = result["markov_ablation"]
     assert set(abl) == {"vanilla", "gated", "rnn", "rank0"}

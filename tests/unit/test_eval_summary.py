@@ -7,7 +7,7 @@ from dspark.config import EvalGoals, NgramConfig
 from dspark.data.prompts import Prompt, user
 from dspark.decode.engine import RowTrace, Timing
 from dspark.evaluate.report import report_markdown
-from dspark.evaluate.stage import goals, select_prompts
+from dspark.evaluate.stage import batches, goals, pairs, select_prompts
 from dspark.evaluate.summary import Calibration, Tally, distinct_n
 
 
@@ -76,24 +76,49 @@ def test_distinct_n():
     assert distinct_n([5]) == 1.0
 
 
-def test_select_prompts_keeps_order_and_caps():
-    ps = [Prompt(f"{c}-{i}", c, user("x")) for c in ("qa", "writing") for i in range(3)]
-    chosen = select_prompts(ps, 2)
-    assert [p.id for p in chosen["qa"]] == ["qa-0", "qa-1"]
-    assert len(select_prompts(ps, None)["writing"]) == 3
+def test_select_prompts_draws_a_seeded_sample_in_order():
+    ps = [Prompt(f"{c}-{i}", c, user("x")) for c in ("qa", "writing") for i in range(30)]
+    chosen = select_prompts(ps, 4)
+    ids = [p.id for p in chosen["qa"]]
+    assert len(ids) == 4 and ids == sorted(ids, key=lambda i: int(i.split("-")[1]))
+    assert ids != ["qa-0", "qa-1", "qa-2", "qa-3"]  # a draw, not the source's first four
+    assert [p.id for p in select_prompts(ps, 4)["qa"]] == ids  # reproducible
+    assert [p.id for p in select_prompts(ps, 4, seed=1)["qa"]] != ids  # and the seed matters
+    assert len(select_prompts(ps, None)["writing"]) == 30
+    assert len(select_prompts(ps, 40)["writing"]) == 30
 
 
-def test_goals_and_ngram_windows():
-    mean = {"dspark": 2.4, "eagle3": 2.0, "ngram": 1.5, "none": 1.0}
-    g = goals(mean, EvalGoals())
-    assert g["dspark_over_eagle3"] == {"ratio": 1.2, "goal": 1.15, "met": True}
-    assert g["dspark_over_ngram"]["met"] is True
+def test_select_prompts_takes_its_own_count_for_the_long_cases():
+    ps = [Prompt(f"{c}-{i}", c, user("x")) for c in ("qa", "long_context") for i in range(6)]
+    chosen = select_prompts(ps, 4, 2)
+    assert len(chosen["qa"]) == 4 and len(chosen["long_context"]) == 2
+
+
+def test_goals_are_judged_on_the_paired_interval():
+    pairs = {
+        "dspark/eagle3": {"ratio": 1.2, "ci95": [1.16, 1.24]},
+        "dspark/ngram": {"ratio": 1.6, "ci95": [1.3, 1.9]},
+    }
+    g = goals(pairs, EvalGoals())
+    assert g["dspark_over_eagle3"] == {
+        "ratio": 1.2, "ci95": [1.16, 1.24], "goal": 1.15, "verdict": "met", "met": True
+    }  # fmt: skip
+    # 1.6 clears 1.5, but the interval reaches down to 1.3: the prompts cannot tell.
+    assert g["dspark_over_ngram"]["verdict"] == "straddles"
+    assert g["dspark_over_ngram"]["met"] is False
     # The thresholds are evaluate.goals', not the code's.
-    stricter = goals(mean, EvalGoals(dspark_over_eagle3=1.25))
-    assert stricter["dspark_over_eagle3"] == {"ratio": 1.2, "goal": 1.25, "met": False}
-    assert "dspark_over_ngram" not in goals({"dspark": 2.4, "eagle3": 2.0}, EvalGoals())
+    stricter = goals(pairs, EvalGoals(dspark_over_eagle3=1.25))
+    assert stricter["dspark_over_eagle3"]["verdict"] == "missed"
+    assert "dspark_over_ngram" not in goals({"dspark/eagle3": pairs["dspark/eagle3"]}, EvalGoals())
     with pytest.raises(ValueError, match="min above max"):
         NgramConfig(windows=[(4, 2)])
+
+
+def test_pairs_cover_every_draft_pair_and_each_draft_over_ngram():
+    one = {"qa": [(3, 1), (4, 2)]}
+    got = pairs({"dspark": one, "eagle3": one, "ngram": one, "none": one})
+    assert set(got) == {"dspark/eagle3", "dspark/ngram", "eagle3/ngram"}
+    assert got["dspark/eagle3"] == {"ratio": 1.0, "ci95": [1.0, 1.0]}
 
 
 def test_report_names_the_seed_and_what_was_not_evaluated():
@@ -111,6 +136,24 @@ def test_report_names_the_seed_and_what_was_not_evaluated():
         "calibration": {},
     }
     md = report_markdown(result)
-    assert "| math_reasoning | 2.00 | 1 |" in md
+    assert "| math_reasoning | 1 | 10 | 2.00 |" in md
+    result["categories"]["math_reasoning"]["dspark"] = {**summary, "tau_ci95": [1.5, 2.5]}
+    result["mean_ci95"] = {"dspark": [1.5, 2.5]}
+    md = report_markdown(result)
+    assert "| math_reasoning | 1 | 10 | 2.00 [1.50, 2.50] |" in md
+    assert "| mean of the nine | | | **2.00 [1.50, 2.50]** |" in md
     assert "| math_reasoning | 6.42 | 2.0 |" in md
     assert "Not evaluated: HumanEval, qa" in md
+
+
+def test_batches_share_a_cap_and_long_context_goes_alone():
+    cats = ("qa", "writing", "long_context")
+    ps = [Prompt(f"{c}-{i}", c, user("x")) for c in cats for i in range(3)]
+    caps = {"qa": 16, "writing": 32, "long_context": 16}
+    got = [[p.id for p in b] for b in batches(ps, 2, caps)]
+    assert got == [
+        ["qa-0", "qa-1"], ["qa-2"], ["writing-0", "writing-1"], ["writing-2"],
+        ["long_context-0"], ["long_context-1"], ["long_context-2"],
+    ]  # fmt: skip
+    caps["writing"] = 16  # one cap: the nine's prompts share batches across categories
+    assert [len(b) for b in batches(ps[:6], 4, caps)] == [4, 2]

@@ -61,3 +61,17 @@ def test_on_a_terminal_it_is_a_redrawn_bar():
     with progress.bar(total=2, desc="evaluate", unit="prompts", file=out) as bar:
         bar.update(2)
     assert "\r" in out.getvalue() and "2/2" in out.getvalue()
+
+
+def test_several_bars_off_a_terminal_write_no_cursor_moves():
+    out = io.StringIO()
+    bars = [
+        progress.bar(total=2, desc=f"evaluate: {m}", unit="prompts", file=out, interval=0)
+        for m in "ab"
+    ]
+    for b in bars:
+        b.update(2)
+        b.close()
+    text = out.getvalue()
+    assert "\x1b" not in text, repr(text)
+    assert "evaluate: a: 2/2 prompts (100%)" in text and "evaluate: b: 2/2 prompts (100%)" in text
