@@ -395,27 +395,28 @@ class EvaluateConfig(Section):
         description="generation cap per category",
     )
     prompts_per_category: PosInt | None = Field(
-        None, description="evaluate the first N prompts of each of the nine (default: all)"
+        None, description="N prompts of each of the nine, drawn with `seed` (default: all)"
     )
     long_prompts_per_case: PosInt | None = Field(
         None, description="the same for each long-context case (default: all)"
     )
     batch_size: PosInt = Field(
         8,
-        description="prompts of a category decoded together, per method: tau and the greedy "
-        "tokens do not depend on it (single-stream speed is the benchmark's)",
+        description="prompts recorded, replayed and decoded together (those that share a "
+        "cap): tau and the greedy tokens do not depend on it (single-stream speed is the "
+        "benchmark's)",
     )
     temperature: Annotated[float, Field(gt=0.0)] = Field(
         0.7, description="the sampling run's temperature (lossless rejection sampling)"
     )
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    sampling_prompts_per_category: NonNegInt = Field(
-        1, description="prompts per category also decoded with sampling (0: no sampling run)"
+    live_prompts: NonNegInt = Field(
+        9,
+        description="prompts (one per category of the nine, in a seeded order) every method "
+        "also decodes live: greedy, checked against transformers and against its replay, and "
+        "sampled; the speed columns come from these (0: replay only)",
     )
     ngram: NgramConfig = NgramConfig()
-    lossless_check: bool = Field(
-        True, description="compare every greedy output with transformers' greedy generate"
-    )
     lm_eval: LmEvalConfig = LmEvalConfig()
     goals: EvalGoals = EvalGoals()
     seed: int = 0

@@ -76,7 +76,9 @@ def _stop_groups(leaders: list[subprocess.Popen], grace: float) -> list[subproce
         for pgid in live if then else ():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, then)
-    _wait_all(leaders, 0.0)
+    # A multithreaded leader shows as a zombie while its other threads still exit, and cannot
+    # be reaped until they have: wait for the leaders of emptied groups, not only poll them.
+    _wait_all([p for p in leaders if p.pid not in live], KILL_WAIT_S)
     return [p for p in leaders if p.pid in live]
 
 

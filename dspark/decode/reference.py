@@ -1,5 +1,6 @@
 """transformers' greedy `generate` of the target: the reference our decoder must reproduce token
-for token (evaluate's lossless check) and the baseline it is timed against (evaluate, bench).
+for token (evaluate's lossless check) and the baseline it is timed against (bench); and the
+same check teacher-forced (`check_batch`), one forward per batch instead of a generate.
 
 A divergence where the target's top-2 logits differ by less than `TIE` is a tie (float noise
 between two forwards can flip it); any other divergence is a mismatch.
@@ -56,6 +57,26 @@ class Reference:
         for row in out[:, width:].tolist():
             rows.append(row[: row.index(eos) + 1] if eos in row else row)
         return rows, seconds
+
+    @torch.no_grad()
+    def check_batch(
+        self, prompts: list[list[int]], paths: list[list[int]]
+    ) -> list[list[tuple[int, float]]]:
+        """Each greedy path checked against transformers, teacher-forced (a path is
+        transformers' greedy output exactly when, at every step, its next token is transformers'
+        choice given the path so far) -> per row, (offset in the path, margin) wherever it is
+        not: margin is transformers' top logit minus the path token's, so below `TIE` it is a
+        tie. One forward per row: a padded batch would pay for every row at the longest width."""
+        out = []
+        for prompt, path in zip(prompts, paths, strict=True):
+            ids = torch.tensor([prompt + path])
+            keep = len(path) + 1
+            logits = self.target.model(input_ids=ids, logits_to_keep=keep).logits[0, :-1]
+            want = torch.tensor(path, dtype=torch.long)  # logits row j chose path token j
+            margin = logits.max(-1).values - logits.gather(-1, want[:, None])[:, 0]
+            off = torch.nonzero(logits.argmax(-1) != want).flatten().tolist()
+            out.append([(j, round(float(margin[j]), 6)) for j in off])
+        return out
 
     @torch.no_grad()
     def compare(self, ids: list[int], want: list[int], got: list[int]) -> str:

@@ -103,7 +103,8 @@ def report_markdown(result: dict) -> str:
         f"# Evaluation ({result.get('profile', '')} profile)",
         "",
         "tau = tokens emitted per target verify step (accepted drafts + the target's token); "
-        "greedy, [95% bootstrap interval over the prompts].",
+        "greedy, replayed on the target's greedy path (dspark.decode.replay), "
+        "[95% bootstrap interval over the prompts].",
         "",
         "| category | prompts | tokens | " + " | ".join(methods) + " |",
         "|---|---|---|" + "---|" * len(methods),
@@ -123,7 +124,7 @@ def report_markdown(result: dict) -> str:
             lines.append(f"| {name} | {p['ratio']} | [{lo}, {hi}] |")
     lines += [
         "",
-        "| method | tok/s | speedup vs none | draft share | distinct-2 |",
+        "| method | tok/s (live decodes) | speedup vs none | draft share | distinct-2 |",
         "|---|---|---|---|---|",
     ]
     for m in methods:
@@ -145,10 +146,19 @@ def report_markdown(result: dict) -> str:
         val = ours.get(key)
         lines.append(f"| {key} | {seed} | {val if val is not None else 'n/a'} |")
     lines += ["", SETUP_NOTE, ""]
+    lossless = result["lossless"]
     lines.append(
         f"Lossless: {result['lossless_mismatches']} mismatches, {result['lossless_ties']} ties "
-        f"over {result['lossless'].get('checked', 0)} greedy outputs checked against transformers."
+        f"over {lossless.get('positions', 0)} recorded positions and "
+        f"{lossless.get('checked', 0)} live greedy outputs checked against transformers."
     )
+    check = result.get("replay_check")
+    if check and check["decodes"]:
+        lines.append(
+            f"Replay against live decoding: {check['same']} of {check['decodes']} live greedy "
+            "decodes took the same steps as their replay"
+            + (f" (differ: {', '.join(check['differ'][:5])})." if check["differ"] else ".")
+        )
     if "sampling" in result:
         s = result["sampling"]
         taus = ", ".join(f"{m} {t}" for m, t in s["mean"].items())

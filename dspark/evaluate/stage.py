@@ -1,12 +1,18 @@
-"""The evaluate stage: real speculative decoding against the real target, per category and method.
+"""The evaluate stage: speculative decoding against the real target, per category and method.
 
-The prompts of a category are decoded `evaluate.batch_size` at a time: acceptance does not
-depend on the batch (each row drafts and verifies on its own), and single-stream speed is the
-benchmark's to measure. The target's prefill of a batch is run once and shared by every method,
-since it is the same computation for all of them; each method then decodes from a copy of it.
-With `lossless_check`, every greedy output is compared token for token with transformers' greedy
-`generate` (static cache, batched the same way), whose timing is also the second candidate for
-the `none` baseline: `none` reports the faster of the two engines.
+Greedy acceptance is measured by replay (`dspark.decode.replay`): each batch of prompts is
+decoded greedily once by the target on our engine, recording its hidden states and choices at
+every position (the prompts' paths), and every method (each n-gram window and Markov variant
+too) then decodes on the unchanged engine with that recording standing in for the target.
+Greedy verification accepts exactly the drafts that match the target's greedy path, so tau is
+the one a live decode measures, without a target pass per method and step (most of the stage's
+cost at low acceptance). Every path is checked against transformers, teacher-forced: one
+forward per batch gives transformers' greedy choice at every step of it.
+
+A seeded few prompts (`evaluate.live_prompts`, spread over the nine) are also decoded live by
+every method, batched: greedy, each output compared token for token with transformers' and each
+trace step for step with its replay; and sampled (temperature, top-p), which no recording can
+stand in for. The live decodes give the speed columns; single-stream speed is the benchmark's.
 
 Each category's tau comes with a 95% bootstrap interval over its prompts, and each pair of
 methods with the ratio of their mean tau and its paired interval (`dspark.evaluate.stats`).
@@ -30,7 +36,8 @@ from dspark.data.prompts import Prompt, read_prompt_file
 from dspark.decode.engine import Prefill, RowTrace, SpecDecoder, Timing
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import NoProposer
-from dspark.decode.reference import Reference
+from dspark.decode.reference import TIE, Reference
+from dspark.decode.replay import Playback, Recording, decode_recorded
 from dspark.decode.sampling import GREEDY, Sampling
 from dspark.drafts import DRAFT_KINDS, ProposerContext, build_proposer, trained_proposer
 from dspark.errors import DataError
@@ -104,14 +111,24 @@ def evaluate(
     return result
 
 
-def batches(prompts: list[Prompt], size: int, cap: dict[str, int]) -> list[list[Prompt]]:
+def batches(
+    prompts: list[Prompt],
+    size: int,
+    cap: dict[str, int],
+    length: dict[str, int] | None = None,
+) -> list[list[Prompt]]:
     """`prompts` in batches of at most `size` that share a generation cap (one decode runs to
-    one cap), in the given order within each group. A long-context prompt goes alone: a padded
-    batch's prefill attends over every row's full width (8 rows of 8K tokens took transformers
-    over 8 minutes and 7 GB here), while one row alone takes the causal fast path."""
+    one cap), shortest first within each group by `length` (tokens, by prompt id), else in the
+    given order: every row of a batch is padded to its longest (32 rows beside one 1,900-token
+    RAG prompt kept transformers' generate busy for over 5 minutes here). A long-context prompt
+    goes alone: a padded batch's prefill attends over every row's full width (8 rows of 8K
+    tokens took transformers over 8 minutes and 7 GB here), while one row alone takes the
+    causal fast path."""
     groups: dict[tuple[bool, int], list[Prompt]] = {}
     for p in prompts:
         groups.setdefault((p.category in LONG_CATEGORIES, cap[p.category]), []).append(p)
+    if length is not None:
+        groups = {k: sorted(g, key=lambda p: length[p.id]) for k, g in groups.items()}
     return [
         g[i : i + step]
         for (long, _), g in groups.items()
@@ -121,10 +138,9 @@ def batches(prompts: list[Prompt], size: int, cap: dict[str, int]) -> list[list[
 
 
 class Evaluation:
-    """Decodes the prompts of each category with each method, `evaluate.batch_size` prompts at
-    a time (one prefill, shared by the methods; each method decodes from a copy of it), and
-    tallies the outcomes per prompt. Every decode's outcome is recorded as its batch finishes
-    (`Records`), so a stopped run resumes where it stopped."""
+    """Records the target's path of every prompt and replays every method on it, decodes a few
+    prompts live with every method, and tallies the outcomes per prompt. Every decode's outcome
+    is recorded as its batch finishes (`Records`), so a stopped run resumes where it stopped."""
 
     def __init__(self, params: Params, target: Target, paths: EvalPaths):
         self.params, self.cfg, self.target = params, params.evaluate, target
@@ -147,7 +163,7 @@ class Evaluation:
         every = [*self.proposers.values(), *self.ablation.values(), *self.ngrams.values()]
         self.taps = tuple(sorted({t for p in every for t in p.taps}))
         self.room = max(p.k for p in every)
-        self.ref = Reference(target) if self.cfg.lossless_check else None
+        self.ref = Reference(target)
         drafted = sorted(paths.drafts.glob("*/*")) if paths.drafts.is_dir() else []
         # What decides a decode's outcome; which prompts and methods run is a selection, and a
         # prompt's own text and cap are in its record's key. The batch is neither: greedy
@@ -156,9 +172,17 @@ class Evaluation:
         basis = {"evaluate": how, "target": read_manifest(paths.target)}
         self.records = Records(paths.records, fingerprint(basis, drafted, paths.code))
         self.log = EventLog(paths.events)
-        self.lossless = {"mismatches": 0, "ties": 0, "checked": 0, "mismatched_ids": []}
-        self._checked: set[str] = set()  # a decode read twice (sweep, then main) counts once
+        self.lossless = {
+            "mismatches": 0,
+            "ties": 0,
+            "checked": 0,
+            "mismatched_ids": [],
+            "positions": 0,
+        }
+        self._checked: set[str] = set()  # an outcome read twice counts once
+        self._recorded: tuple[tuple[str, ...], Recording] | None = None
         self._prefilled: tuple[tuple[str, ...], Prefill] | None = None
+        self._length: dict[str, int] = {}  # prompt id -> templated tokens
 
     # --- a batch of prompts ----------------------------------------------------------------
 
@@ -168,39 +192,109 @@ class Evaluation:
     def key(self, prompt: Prompt, label: str) -> str:
         return f"{prompt.id}|{prompt.content_hash[:12]}|{self.cap(prompt)}|{label}"
 
+    def chats(self, prompts: list[Prompt]) -> list[list[int]]:
+        return [self.target.chat_ids(list(p.messages)) for p in prompts]
+
+    def batches(self, prompts: list[Prompt]) -> list[list[Prompt]]:
+        """`batches` of these prompts at evaluate.batch_size, by their templated length."""
+        for p in prompts:
+            if p.id not in self._length:
+                self._length[p.id] = len(self.target.chat_ids(list(p.messages)))
+        return batches(prompts, self.cfg.batch_size, self.cfg.max_new_tokens, self._length)
+
+    def paths(self, prompts: list[Prompt]) -> dict[str, list[int]]:
+        """prompt id -> the target's greedy continuation (its path) for a batch, from the
+        records or from recording the batch."""
+        if any(self.records.get(self.key(p, "path")) is None for p in prompts):
+            self.recording(prompts)
+        return {p.id: self.records.get(self.key(p, "path"))["tokens"] for p in prompts}
+
+    def recording(self, prompts: list[Prompt]) -> Recording:
+        """The target's greedy decode of a batch, recorded (kept for every method replaying
+        it); each path is checked against transformers, teacher-forced, and recorded with
+        where it differs."""
+        ids = tuple(p.id for p in prompts)
+        if self._recorded and self._recorded[0] == ids:
+            return self._recorded[1]
+        self._recorded = None  # free the last one first: long-context recordings are large
+        chats = self.chats(prompts)
+        try:
+            traces, timing, rec = decode_recorded(
+                self.llama,
+                self.target.eos_token_id,
+                self.target.max_context,
+                chats,
+                self.cap(prompts[0]),
+                self.taps,
+                reach=max(self.room - 1, 0),  # a draft of k verifies k - 1 past the last token
+            )
+        except ValueError as e:
+            raise DataError(f"{', '.join(ids)}: {e}") from None
+        paths = [t.tokens for t in traces]
+        differ = self.ref.check_batch(chats, paths)
+        shares = _shares(timing.total_s, [len(q) for q in paths])
+        for p, q, d, sec in zip(prompts, paths, differ, shares, strict=True):
+            self.records.put(self.key(p, "path"), tokens=q, differ=d, seconds=sec)
+        self._recorded = (ids, rec)
+        return rec
+
+    def _count_path(self, prompt: Prompt) -> None:
+        """A prompt's path against transformers, once per prompt, into the lossless tally."""
+        key = self.key(prompt, "path")
+        if key in self._checked:
+            return
+        self._checked.add(key)
+        rec = self.records.get(key)
+        self.lossless["positions"] += len(rec["tokens"])
+        for at, margin in rec["differ"]:
+            if margin < TIE:
+                self.lossless["ties"] += 1
+            else:
+                self.lossless["mismatches"] += 1
+                self.lossless["mismatched_ids"].append(f"{prompt.id}:path@{at}")
+
+    def replay(self, proposer, label: str, prompts: list[Prompt]) -> list[tuple[RowTrace, Timing]]:
+        """Each prompt of a batch (one cap) decoded greedily by `proposer` on the batch's
+        recording; the rows not yet recorded, together."""
+        keys = [f"{self.key(p, label)}|replay" for p in prompts]
+        todo = [i for i, k in enumerate(keys) if self.records.get(k) is None]
+        wants = self.paths(prompts)
+        if todo:
+            rec = self.recording(prompts).rows(todo)
+            rows = [prompts[i] for i in todo]
+            dec = SpecDecoder(
+                Playback(rec, self.target.vocab_size),
+                proposer,
+                self.target.eos_token_id,
+                self.target.max_context,
+            )
+            traces, timing = dec.generate(self.chats(rows), self.cap(rows[0]), GREEDY)
+            shares = _timing_shares(timing, [len(t.tokens) for t in traces])
+            for i, trace, t in zip(todo, traces, shares, strict=True):
+                if trace.tokens != wants[prompts[i].id]:  # the path is given: a bug, not data
+                    raise RuntimeError(f"{prompts[i].id}: {label}'s replay left its recording")
+                self.records.put(keys[i], **trace_fields(trace, t))
+        for p in prompts:
+            self._count_path(p)
+        return [from_fields(self.records.get(k)) for k in keys]
+
     def prefill(self, prompts: list[Prompt]) -> Prefill:
-        """The target's prefill of a batch (one cap), run once for every method decoding it."""
+        """The target's prefill of a live batch (one cap), run once for every method."""
         ids = tuple(p.id for p in prompts)
         if self._prefilled and self._prefilled[0] == ids:
             return self._prefilled[1]
-        self._prefilled = None  # free the last one first: long-context caches are large
+        self._prefilled = None
         base = SpecDecoder(
             self.llama, NoProposer(), self.target.eos_token_id, self.target.max_context
         )
-        chats = [self.target.chat_ids(list(p.messages)) for p in prompts]
         try:
-            pre = base.prefill(chats, self.cap(prompts[0]), taps=self.taps, draft_room=self.room)
+            pre = base.prefill(
+                self.chats(prompts), self.cap(prompts[0]), taps=self.taps, draft_room=self.room
+            )
         except ValueError as e:
             raise DataError(f"{', '.join(ids)}: {e}") from None
         self._prefilled = (ids, pre)
         return pre
-
-    def references(self, prompts: list[Prompt], done=None) -> dict[str, tuple[list[int], float]]:
-        """prompt id -> transformers' greedy continuation (and its share of the seconds),
-        generated a batch at a time for those not yet recorded; `done(n)` as batches end."""
-        todo = [p for p in prompts if self.records.get(self.key(p, "reference")) is None]
-        if done:
-            done(len(prompts) - len(todo))
-        for batch in batches(todo, self.cfg.batch_size, self.cfg.max_new_tokens):
-            chats = [self.target.chat_ids(list(p.messages)) for p in batch]
-            outs, seconds = self.ref.generate_batch(chats, self.cap(batch[0]))
-            share = _shares(seconds, [len(o) for o in outs])
-            for p, tokens, sec in zip(batch, outs, share, strict=True):
-                self.records.put(self.key(p, "reference"), tokens=tokens, seconds=sec)
-            if done:
-                done(len(batch))
-        recs = {p.id: self.records.get(self.key(p, "reference")) for p in prompts}
-        return {i: (r["tokens"], r["seconds"]) for i, r in recs.items()}
 
     def decode(
         self,
@@ -210,9 +304,9 @@ class Evaluation:
         wants: dict[str, list[int]] | None = None,
         sampling: Sampling = GREEDY,
     ) -> list[tuple[RowTrace, Timing]]:
-        """Each prompt of a batch (one cap) decoded by `proposer`: the rows not yet recorded,
-        together (from the batch's shared prefill when that is all of them); greedy outputs
-        checked against `wants` (transformers', by prompt id)."""
+        """Each prompt of a batch (one cap) decoded live by `proposer`: the rows not yet
+        recorded, together (from the batch's shared prefill when that is all of them); greedy
+        outputs checked against `wants` (transformers', by prompt id)."""
         mode = "greedy" if sampling.greedy else "sampled"
         keys = [f"{self.key(p, label)}|{mode}" for p in prompts]
         todo = [(p, k) for p, k in zip(prompts, keys, strict=True) if self.records.get(k) is None]
@@ -248,102 +342,112 @@ class Evaluation:
             self.lossless["mismatches"] += 1
             self.lossless["mismatched_ids"].append(name)
 
+    def live_prompts(self, selected: dict[str, list[Prompt]]) -> list[Prompt]:
+        """`evaluate.live_prompts` of the nine categories' selection, one per category in a
+        seeded order of the categories, round after round."""
+        nine = [c for c in selected if c not in LONG_CATEGORIES]
+        random.Random(f"{self.cfg.seed}:live").shuffle(nine)
+        rounds = max((len(selected[c]) for c in nine), default=0)
+        order = [selected[c][r] for r in range(rounds) for c in nine if r < len(selected[c])]
+        return order[: self.cfg.live_prompts]
+
     # --- everything ------------------------------------------------------------------------
 
     def all(self, selected: dict[str, list[Prompt]], progress: bool = True) -> dict:
-        """Batches run across categories (those that share a cap), each prefilled once and
-        decoded by every method in turn, as the old one-prompt loop shared each prefill."""
         cfg, methods = self.cfg, self.cfg.methods
-        size, caps = cfg.batch_size, cfg.max_new_tokens
         nine = [c for c in selected if c not in LONG_CATEGORIES]
         every = [p for ps in selected.values() for p in ps]
-        refs, wants = {}, None
-        if self.ref is not None:
-            ref_bar = bar(
-                total=len(every), desc="evaluate: reference", unit="prompts", enabled=progress
-            )
-            refs = self.references(every, done=ref_bar.update)
-            ref_bar.close()
-            wants = {i: tokens for i, (tokens, _) in refs.items()}
-
-        # The n-gram sweep: every window on the first prompt of each of the nine categories;
-        # the best window decodes everything (its sweep decodes are reused, being the same
-        # records). Sampling, too, runs on the nine only.
-        sweep = {w: Tally() for w in self.windows}
-        firsts = [selected[c][0] for c in nine]
-        if self.ngrams and firsts:
-            sweep_bar = bar(
-                total=len(firsts) * len(self.ngrams),
-                desc="evaluate: n-gram sweep",
-                unit="decodes",
-                enabled=progress,
-            )
-            for batch in batches(firsts, size, caps):
-                for w, proposer in self.ngrams.items():
-                    for got in self.decode(proposer, _ngram_label(w), batch, wants):
-                        sweep[w].add(*got)
-                    sweep_bar.update(len(batch))
-            sweep_bar.close()
-        best = max(self.windows, key=lambda w: sweep[w].tau or 0.0) if self.windows else None
-        chosen = {**self.proposers, **({"ngram": self.ngrams[best]} if best else {})}
-        labels = {m: _ngram_label(best) if m == "ngram" else m for m in methods}
-        variants = {f"dspark_{v}": (p, v) for v, p in self.ablation.items()}
-
-        tallies = {c: {m: Tally() for m in methods} for c in selected}
-        ablation = {c: {v: Tally() for v in self.ablation} for c in selected}
+        # The target's path of every prompt, recorded a batch at a time and replayed there by
+        # every method, n-gram window and Markov variant.
+        wants: dict[str, list[int]] = {}
+        replayed = {m: p for m, p in self.proposers.items()}
+        replayed |= {_ngram_label(w): p for w, p in self.ngrams.items()}
+        replayed |= {f"dspark_{v}": p for v, p in self.ablation.items()}
+        per = {label: {c: Tally() for c in selected} for label in replayed}
         bars = {
-            m: bar(total=len(every), desc=f"evaluate: {m}", unit="prompts", enabled=progress)
-            for m in [*methods, *variants]
+            label: bar(
+                total=len(every), desc=f"evaluate: {label}", unit="prompts", enabled=progress
+            )
+            for label in ["target path", *replayed]
         }
         calibration = Calibration()
-        for step, batch in enumerate(batches(every, size, caps), start=1):
-            for m in methods:
+        step = 0
+        for step, batch in enumerate(self.batches(every), start=1):
+            wants |= self.paths(batch)
+            bars["target path"].update(len(batch))
+            for label, proposer in replayed.items():
                 for p, (trace, timing) in zip(
-                    batch, self.decode(chosen[m], labels[m], batch, wants), strict=True
+                    batch, self.replay(proposer, label, batch), strict=True
                 ):
-                    tallies[p.category][m].add(trace, timing)
-                    if m == "dspark":
+                    per[label][p.category].add(trace, timing)
+                    if label == "dspark":
                         calibration.add(trace)
-                bars[m].update(len(batch))
-            for name, (proposer, v) in variants.items():
-                for p, got in zip(batch, self.decode(proposer, v, batch, wants), strict=True):
-                    ablation[p.category][v].add(*got)
-                bars[name].update(len(batch))
+                bars[label].update(len(batch))
             # "<method>/..." keys land in the method's child run (tasks/stage.py).
             touched = {p.category for p in batch}
-            taus = {f"{m}/tau_{c}": tallies[c][m].tau for c in touched for m in methods}
+            taus = {f"{m}/tau_{c}": per[m][c].tau for c in touched for m in self.proposers}
             self.log.log(step, **{k: v for k, v in taus.items() if v is not None})
         for b in bars.values():
             b.close()
+        self._recorded = None
 
+        # The n-gram window: the best mean tau over the nine, on every prompt.
+        sweep = {w: per[_ngram_label(w)] for w in self.windows}
+        best = (
+            max(self.windows, key=lambda w: _mean(sweep[w][c].tau for c in nine) or 0.0)
+            if (self.windows)
+            else None
+        )
+        chosen = {**self.proposers, **({"ngram": self.ngrams[best]} if best else {})}
+        labels = {m: _ngram_label(best) if m == "ngram" else m for m in methods}
+        tallies = {c: {m: per[labels[m]][c] for m in methods} for c in selected}
+        ablation = {c: {v: per[f"dspark_{v}"][c] for v in self.ablation} for c in selected}
+        # Every method's final tau per category, n-gram's (its best window's) included.
+        taus = {f"{m}/tau_{c}": tallies[c][m].tau for c in selected for m in methods}
+        self.log.log(step + 1, **{k: v for k, v in taus.items() if v is not None})
+
+        # Live: greedy (checked against transformers and the replay) and sampled.
+        live = self.live_prompts(selected)
+        greedy = {m: Tally() for m in methods}
         sampled = {c: {m: Tally() for m in methods} for c in selected}
-        few = [p for c in nine for p in selected[c][: cfg.sampling_prompts_per_category]]
-        if few:
-            sampling = Sampling(cfg.temperature, cfg.top_p)
-            sampled_bar = bar(
-                total=len(few) * len(methods),
-                desc="evaluate: sampled",
-                unit="decodes",
-                enabled=progress,
-            )
-            for batch in batches(few, size, caps):
-                for m in methods:
-                    got = self.decode(chosen[m], m, batch, sampling=sampling)
-                    for p, outcome in zip(batch, got, strict=True):
-                        sampled[p.category][m].add(*outcome)
-                    sampled_bar.update(len(batch))
-            sampled_bar.close()
+        agree = {"decodes": 0, "same": 0, "differ": []}
+        sampling = Sampling(cfg.temperature, cfg.top_p)
+        live_bar = bar(
+            total=2 * len(live) * len(methods), desc="evaluate: live", unit="decodes",
+            enabled=progress,
+        )  # fmt: skip
+        for batch in self.batches(live):
+            for m in methods:
+                got = self.decode(chosen[m], labels[m], batch, wants)
+                replays = self.replay(chosen[m], labels[m], batch)
+                for p, (trace, timing), (again, _) in zip(batch, got, replays, strict=True):
+                    greedy[m].add(trace, timing)
+                    if trace.tokens == wants[p.id]:  # a tie may take the live decode elsewhere
+                        agree["decodes"] += 1
+                        if trace.accepted == again.accepted:
+                            agree["same"] += 1
+                        else:
+                            agree["differ"].append(f"{p.id}:{m}")
+                live_bar.update(len(batch))
+            for m in methods:
+                for p, outcome in zip(
+                    batch, self.decode(chosen[m], m, batch, sampling=sampling), strict=True
+                ):
+                    sampled[p.category][m].add(*outcome)
+                live_bar.update(len(batch))
+        live_bar.close()
+        self._prefilled = None
 
-        hf = Tally()  # transformers' batched greedy generate, the second `none` candidate
-        hf.tokens = sum(len(t) for t, _ in refs.values())
-        hf.prefill_s = sum(sec for _, sec in refs.values())
-        result = assemble(self.params, tallies, sampled, ablation, calibration, sweep, best, hf)
+        result = assemble(self.params, tallies, sampled, ablation, calibration, sweep, best)
+        result["overall"] = overall(tallies, greedy, methods)
+        result["replay_check"] = agree
         result["lossless_mismatches"] = self.lossless["mismatches"]
         result["lossless_ties"] = self.lossless["ties"]
         result["lossless"] = self.lossless
         result["prompts"] = {c: len(ps) for c, ps in selected.items()}
         result["prompt_ids"] = {c: [p.id for p in ps] for c, ps in selected.items()}
-        result["batch_size"] = size
+        result["live_prompt_ids"] = [p.id for p in live]
+        result["batch_size"] = cfg.batch_size
         result["resumed_decodes"] = self.records.replayed
         if cfg.lm_eval.limit:
             if progress:
@@ -388,41 +492,52 @@ def quality(params: Params, target, llama, proposers: dict, context: ProposerCon
     return score(models, cfg.limit, cfg.max_gen_toks)
 
 
-def assemble(params, tallies, sampled, ablation_tallies, calibration, sweep, best_window, hf):
+TIMED = ("tok_s", "decode_tok_s", "draft_share")  # speed: from live decodes only
+
+
+def _untimed(summary: dict) -> dict:
+    """A replayed tally's summary without speed: its target passes were played back."""
+    return {k: v for k, v in summary.items() if k not in TIMED}
+
+
+def overall(tallies, live: dict[str, Tally], methods: list[str]) -> dict:
+    """Per method over every prompt: acceptance from the replay, speed from the live decodes
+    (the same few rows for every method, so the speedup over `none` compares like with like)."""
+    out = {}
+    for m in methods:
+        total = Tally()
+        for c in tallies:
+            total.merge(tallies[c][m])
+        speed = live[m].summary()
+        out[m] = {**_untimed(total.summary()), **{k: speed[k] for k in TIMED}}
+        out[m]["live"] = {k: speed[k] for k in ("n", "tau", "tokens")}
+    base = out.get("none", {}).get("tok_s")
+    for m in methods:
+        if base and out[m]["tok_s"]:
+            out[m]["speedup"] = round(out[m]["tok_s"] / base, 3)
+    return out
+
+
+def assemble(params, tallies, sampled, ablation_tallies, calibration, sweep, best_window):
     cfg = params.evaluate
     # Each prompt's (emitted, steps) stays beside the summary: the benchmark's served tau is
     # set against the offline one with these (dspark.serve.offline).
     categories = {
-        c: {m: {**t.summary(), "outcomes": t.outcomes} for m, t in ts.items()}
+        c: {m: {**_untimed(t.summary()), "outcomes": t.outcomes} for m, t in ts.items()}
         for c, ts in tallies.items()
     }
     methods = list(cfg.methods)
     nine = [c for c in CATEGORIES if c in tallies]
     mean = {m: _mean(categories[c][m]["tau"] for c in nine) for m in methods}
-    overall = {}
-    for m in methods:
-        total = Tally()
-        for c in tallies:
-            total.merge(tallies[c][m])
-        overall[m] = total.summary()
-    if "none" in overall and hf.tokens:
-        # `none` is the faster of our engine at k=0 and transformers' static-cache generate.
-        hf_tok_s = round(hf.tokens / hf.prefill_s, 2)
-        overall["none"]["tok_s_ours"] = overall["none"]["tok_s"]
-        overall["none"]["tok_s_transformers"] = hf_tok_s
-        overall["none"]["tok_s"] = max(overall["none"]["tok_s"] or 0.0, hf_tok_s)
-    base = overall.get("none", {}).get("tok_s")
-    for m in methods:
-        if base and overall[m]["tok_s"]:
-            overall[m]["speedup"] = round(overall[m]["tok_s"] / base, 3)
     nine_outcomes = {m: {c: tallies[c][m].outcomes for c in nine} for m in methods}
     result = {
         "categories": categories,
         "mean": mean,
         "mean_ci95": {m: mean_tau_interval(nine_outcomes[m]) for m in methods},
         "pairs": pairs(nine_outcomes),
-        "overall": overall,
-        "ngram_sweep": {f"{lo}-{hi}": t.summary()["tau"] for (lo, hi), t in sweep.items()},
+        "ngram_sweep": {
+            f"{lo}-{hi}": _mean(by_cat[c].tau for c in nine) for (lo, hi), by_cat in sweep.items()
+        },
         "ngram_window": list(best_window) if best_window else None,
         "calibration": calibration.summary(),
     }

@@ -59,7 +59,9 @@ def slot_losses(
     confidence_logits: torch.Tensor | None = None,  # [N, K]
     total: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Weighted CE + TV (+ confidence BCE), with the acceptance each slot would get.
+    """Weighted CE + TV (+ KL, + confidence BCE), with the acceptance each slot would get.
+    Each term is its slot-decayed sum over the supervised slots' count (speculators' reduction,
+    held to it by tests/speculators/test_loss_terms.py).
 
     `total` sums a tensor over the data-parallel ranks that share the global batch (None: this
     process holds all of it). The normalizers are then the global batch's, so each rank's loss
@@ -77,10 +79,12 @@ def slot_losses(
     ce = torch.where(has_label, ce, torch.zeros_like(ce))
 
     weights = w.slot_weights(k).to(logits.device)[None, :] * mask  # [N, K]
-    norm_w, norm_m = weights.sum(), mask.sum()
+    # Decayed sums over the supervised slots' count, as speculators reduces them: a slot's
+    # weight scales its term, it does not renormalize the others.
+    norm_m = mask.sum().to(logits.dtype)
     if total is not None:
-        norm_w, norm_m = total(torch.stack((norm_w, norm_m.to(norm_w.dtype)))).unbind()
-    norm = norm_w.clamp_min(1e-6)
+        norm_m = total(norm_m)
+    norm = norm_m.clamp_min(1.0)
     loss_ce = (ce * weights).sum() / norm
     loss_tv = (tv * weights).sum() / norm
     loss = w.ce * loss_ce + w.tv * loss_tv
@@ -94,7 +98,7 @@ def slot_losses(
         bce = F.binary_cross_entropy_with_logits(
             confidence_logits.float(), accept.detach(), reduction="none"
         )
-        loss_conf = (bce * mask).sum() / norm_m.clamp_min(1)
+        loss_conf = (bce * mask).sum() / norm
         loss = loss + w.confidence * loss_conf
         out["loss_confidence"] = loss_conf
     out["loss"] = loss

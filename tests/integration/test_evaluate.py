@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from dspark.config import load_params
+from dspark.data.prompts import read_prompt_file
+from dspark.decode.proposers import Proposal, Proposer
 from dspark.errors import DataError
-from dspark.evaluate.stage import EvalPaths, Evaluation, evaluate
+from dspark.evaluate.stage import EvalPaths, Evaluation, evaluate, select_prompts
 from dspark.io import atomic_dir
 from dspark.models.dspark import DSparkDraft
 from dspark.train.checkpoint import save_draft
@@ -47,6 +49,7 @@ def params(*overrides):
             "evaluate.prompts_per_category=2",
             "evaluate.lm_eval.limit=2",
             "evaluate.lm_eval.max_gen_toks=16",
+            "evaluate.live_prompts=9",  # every prompt of the nine's here (3)
             *overrides,
         ],
     )
@@ -75,11 +78,15 @@ def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
         for m in ("dspark", "eagle3", "ngram", "none"):
             assert result["categories"][cat][m]["tau"] >= 1.0
     assert result["categories"]["math_reasoning"]["none"]["tau"] == 1.0
+    categories = result["categories"].values()
     assert result["lossless_mismatches"] == 0
-    # 4 prompts x 4 methods, each checked against transformers, and the n-gram sweep's other
-    # window on the first prompt of math_reasoning and writing (its best window's decodes are
-    # the main run's own)
-    assert result["lossless"]["checked"] == 16 + 2
+    # Every prompt's recorded path against transformers', position by position; the three
+    # prompts of the nine categories decoded live by the 4 methods, output by output.
+    assert result["lossless"]["positions"] == sum(c["none"]["tokens"] for c in categories)
+    assert result["lossless"]["checked"] == 3 * 4
+    assert sorted(result["live_prompt_ids"]) == ["m", "m2", "w"]
+    check = result["replay_check"]
+    assert check["decodes"] == 12 and check["same"] == 12, check
     assert tuple(result["ngram_window"]) in {(5, 5), (1, 3)}
     assert set(result["sampling"]["mean"]) == {"dspark", "eagle3", "ngram", "none"}
     assert result["calibration"]["n"] > 0 and 0 <= result["calibration"]["ece"] <= 1
@@ -172,8 +179,9 @@ def test_long_context_prompts_fit_with_their_chat_template(tiny_target):
 
 
 def test_a_batch_decodes_each_prompt_as_it_decodes_alone(tiny_target_dir, drafts, tmp_path):
-    """tau does not depend on the batch: every method's per-prompt tokens, acceptances and tau
-    are those of one-at-a-time decoding, and the reference batched equals it alone."""
+    """tau does not depend on the batch: every method's per-prompt tokens, acceptances and tau,
+    replayed or live, are those of one-at-a-time decoding, and the reference batched equals it
+    alone."""
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
 
     def run(batch: int) -> dict[str, dict]:
@@ -185,7 +193,7 @@ def test_a_batch_decodes_each_prompt_as_it_decodes_alone(tiny_target_dir, drafts
             report=tmp_path / f"report{batch}.md",
             records=tmp_path / f"records{batch}",
         )
-        over = ["evaluate.lm_eval.limit=0", "evaluate.sampling_prompts_per_category=0"]
+        over = ["evaluate.lm_eval.limit=0"]
         evaluate(params(f"evaluate.batch_size={batch}", *over), paths)
         record = next((tmp_path / f"records{batch}").glob("*.jsonl"))
         recs = [json.loads(line) for line in record.read_text().splitlines()]
@@ -193,8 +201,9 @@ def test_a_batch_decodes_each_prompt_as_it_decodes_alone(tiny_target_dir, drafts
 
     alone, together = run(1), run(4)
     assert alone.keys() == together.keys()
-    decodes = [k for k in alone if k.endswith("|greedy")]
-    assert len(decodes) >= 16  # 4 prompts x 4 methods, and the sweep's
+    decodes = [k for k in alone if k.endswith(("|greedy", "|replay"))]
+    # 4 prompts replayed by 3 methods and 2 n-gram windows; 3 of them decoded live by 4
+    assert len(decodes) == 4 * 5 + 3 * 4
     for key in decodes:
         a, b = alone[key]["trace"], together[key]["trace"]
         assert (a["tokens"], a["accepted"], a["emitted"]) == (
@@ -232,7 +241,7 @@ def test_the_markov_ablation_decodes_beside_dspark(
     p = params(
         "evaluate.methods=[dspark,none]",
         "evaluate.prompts_per_category=1",
-        "evaluate.sampling_prompts_per_category=0",
+        "evaluate.live_prompts=0",
         "evaluate.lm_eval.limit=0",
         "evaluate.batch_size=1",  # a progress line per prompt
     )
@@ -255,12 +264,59 @@ def test_the_markov_ablation_decodes_beside_dspark(
     assert set(abl) == {"vanilla", "gated", "rnn", "rank0"}
     for variant in ("gated", "rnn", "rank0"):
         assert set(abl[variant]["categories"]) == {"math_reasoning", "writing"}
-    # 2 prompts x (dspark, none and the three variants), each decoded and checked against
-    # transformers under its own label
-    assert result["lossless_mismatches"] == 0 and result["lossless"]["checked"] == 2 * 5
+    # 2 prompts x (dspark, none and the three variants), each replayed under its own label on
+    # a path checked against transformers
+    assert result["lossless_mismatches"] == 0 and result["lossless"]["positions"] > 0
     records = "".join(f.read_text() for f in paths.records.glob("*.jsonl"))
-    for label in ("dspark", "none", "gated", "rnn", "rank0"):
-        assert records.count(f"|{label}|greedy") == 2, label
+    for label in ("dspark", "none", "dspark_gated", "dspark_rnn", "dspark_rank0"):
+        assert records.count(f"|{label}|replay") == 2, label
     assert "Markov ablation" in paths.report.read_text()
     evaluate(p, paths, progress=False)  # `--no-progress`: replays the records, says nothing
     assert "evaluate:" not in capsys.readouterr().err
+
+
+class TargetAsDraft(Proposer):
+    """Proposes the target's own greedy continuation of each row: every draft is right."""
+
+    name = "target"
+
+    def __init__(self, llama, k):
+        self.llama, self.k = llama, k
+
+    def propose(self, seq, n, active, sampling, gen, rows=slice(None)):
+        tokens = seq.new_zeros(seq.shape[0], self.k)
+        for i in torch.nonzero(active).flatten().tolist():
+            ids = seq[i, : int(n[i]) + 1].tolist()
+            for j in range(self.k):
+                cache = self.llama.new_cache(1, len(ids) + 1)
+                logits, _ = self.llama(torch.tensor([ids]), torch.arange(len(ids))[None], cache)
+                ids.append(int(logits[0, -1].argmax()))
+                tokens[i, j] = ids[-1]
+        return Proposal(tokens, torch.where(active, self.k, 0))
+
+
+def test_the_targets_own_continuation_reaches_k_plus_one_through_the_stage(
+    tiny_target, tiny_target_dir, drafts, tmp_path
+):
+    """Issue 20's oracle: a draft that proposes what the target will say emits k + 1 tokens on
+    every verify step but a prompt's last, replayed and live, through the evaluation itself."""
+    paths = EvalPaths(
+        target=tiny_target_dir,
+        drafts=drafts,
+        prompts=write_prompts(tmp_path / "p.jsonl", PROMPTS),
+        plots=tmp_path / "plots",
+        report=tmp_path / "report.md",
+        records=tmp_path / "records",
+    )
+    p = params("evaluate.methods=[dspark,none]", "evaluate.lm_eval.limit=0")
+    ev = Evaluation(p, tiny_target, paths)
+    k = ev.proposers["dspark"].k
+    ev.proposers["dspark"] = TargetAsDraft(ev.llama, k)
+    result = ev.all(select_prompts(read_prompt_file(paths.prompts), 2, 1), progress=False)
+    for cat, row in result["categories"].items():
+        for emitted, steps in row["dspark"]["outcomes"]:
+            assert steps == -(-emitted // (k + 1)), (cat, emitted, steps)  # ceil
+    assert result["overall"]["dspark"]["pos_accept"] == [1.0] * k
+    live = result["overall"]["dspark"]["live"]
+    # live, at the 12-token cap: the 11 tokens after the prefill's in ceil(11 / (k + 1)) steps
+    assert live["n"] == 3 and live["tau"] == pytest.approx(11 / -(-11 // (k + 1)), abs=1e-4)

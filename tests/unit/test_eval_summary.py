@@ -157,3 +157,7 @@ def test_batches_share_a_cap_and_long_context_goes_alone():
     ]  # fmt: skip
     caps["writing"] = 16  # one cap: the nine's prompts share batches across categories
     assert [len(b) for b in batches(ps[:6], 4, caps)] == [4, 2]
+    # With lengths, shortest first: a batch pads to its longest row.
+    length = {p.id: 10 - i for i, p in enumerate(ps)}
+    got = [[p.id for p in b] for b in batches(ps[:6], 4, caps, length)]
+    assert got == [["writing-2", "writing-1", "writing-0", "qa-2"], ["qa-1", "qa-0"]]
