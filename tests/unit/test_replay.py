@@ -102,3 +102,21 @@ def test_playback_refuses_a_position_it_did_not_record(llama, varied, prompts):
     positions = rec.lens[:, None].clone()
     with pytest.raises(ValueError, match="row 0 asked about position"):
         play(torch.zeros_like(positions), positions, play.new_cache(3, 8))
+
+
+def test_recorded_states_are_the_extract_stages_capture(llama, varied, prompts):
+    """Issue 20's tolerance: states kept while decoding are those the extract stage captures
+    with transformers on the same tokens (float32, to 1e-4), so on-policy data can come from
+    decoding alone."""
+    from dspark.data.shards import TokenSample
+    from dspark.extract.capture import HiddenStateCapture
+
+    traces, _, rec = recorded(llama, varied, prompts, k=1, taps=(0, 1))
+    capture = HiddenStateCapture(varied, [0, 1], "float32")
+    for i, (p, t) in enumerate(zip(prompts, traces, strict=True)):
+        ids = torch.tensor(p + t.tokens, dtype=torch.int32)
+        full = capture(TokenSample(i, str(i), ids, torch.arange(len(ids)) >= len(p)))
+        for j, layer in enumerate((0, 1)):
+            got = rec.feats[layer][i, : len(ids)]
+            assert torch.allclose(got, full.aux_hidden[j], atol=1e-4), (i, layer)
+    capture.close()
