@@ -1,6 +1,6 @@
 """transformers' greedy `generate` of the target: the reference our decoder must reproduce token
-for token (evaluate's lossless check) and the baseline it is timed against (bench); and the
-same check teacher-forced (`check_batch`), one forward per batch instead of a generate.
+for token and the baseline it is timed against (bench); and the same check teacher-forced
+(`check_batch`: one forward per prompt instead of a generate), evaluate's lossless check.
 
 A divergence where the target's top-2 logits differ by less than `TIE` is a tie (float noise
 between two forwards can flip it); any other divergence is a mismatch.
