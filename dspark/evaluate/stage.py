@@ -360,7 +360,7 @@ class Evaluation:
         # The target's path of every prompt, recorded a batch at a time and replayed there by
         # every method, n-gram window and Markov variant.
         wants: dict[str, list[int]] = {}
-        replayed = {m: p for m, p in self.proposers.items()}
+        replayed = dict(self.proposers)
         replayed |= {_ngram_label(w): p for w, p in self.ngrams.items()}
         replayed |= {f"dspark_{v}": p for v, p in self.ablation.items()}
         per = {label: {c: Tally() for c in selected} for label in replayed}

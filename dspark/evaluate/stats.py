@@ -32,6 +32,12 @@ def _pooled(outcomes: Outcomes, idx: np.ndarray) -> np.ndarray:
         return np.where(steps > 0, emitted / steps, np.nan)
 
 
+def pooled_tau(outcomes: Outcomes) -> float | None:
+    """Tokens emitted over verify steps, pooled over the prompts (None with no step)."""
+    tau = float(_pooled(outcomes, np.arange(len(outcomes))[None, :])[0]) if outcomes else np.nan
+    return tau if np.isfinite(tau) else None
+
+
 def _interval(values: np.ndarray, level: float) -> list[float] | None:
     values = values[np.isfinite(values)]
     if values.size == 0:
@@ -101,7 +107,7 @@ def paired_ratio(
     if not cats:
         return None
     full = {
-        m: [_pooled(o[c], np.arange(len(o[c]))[None, :])[0] for c in cats if len(o[c])]
+        m: [np.nan if (t := pooled_tau(o[c])) is None else t for c in cats if len(o[c])]
         for m, o in (("a", a), ("b", b))
     }
     with np.errstate(invalid="ignore"):

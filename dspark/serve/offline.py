@@ -11,7 +11,7 @@ cell draws on all nine, so its offline side pools the nine categories' prompts.
 from __future__ import annotations
 
 from dspark.config import CATEGORIES
-from dspark.evaluate.stats import tau_interval
+from dspark.evaluate.stats import pooled_tau, tau_interval
 
 # serving mode -> the evaluated method that drafts the same way
 OFFLINE_METHOD = {
@@ -28,10 +28,8 @@ def _offline(eval_doc: dict, method: str, categories: list[str]) -> tuple[float,
         for c in categories
         for o in eval_doc.get("categories", {}).get(c, {}).get(method, {}).get("outcomes", [])
     ]
-    steps = sum(s for _, s in outcomes)
-    if not steps:
-        return None
-    return round(sum(e for e, _ in outcomes) / steps, 4), tau_interval(outcomes)
+    tau = pooled_tau(outcomes)
+    return None if tau is None else (round(tau, 4), tau_interval(outcomes))
 
 
 def served_vs_offline(
