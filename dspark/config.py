@@ -160,10 +160,12 @@ class PrepareConfig(Section):
         description="share of answers the target regenerates (on-policy); the rest are kept "
         "from the dataset",
     )
-    engine: Literal["hf", "vllm"] = Field(
+    engine: Literal["hf", "vllm", "extract"] = Field(
         "hf",
-        description="generation engine: transformers in process, or vLLM's server from its own "
-        "venv (`make vllm-venv`)",
+        description="generation engine: transformers in process, vLLM's server from its own "
+        "venv (`make vllm-venv`), or `extract`: the extract stage's producers answer the "
+        "prompts greedily on our batched engine, keeping the hidden states as they decode "
+        "(one pass over the target; needs extract.mode offline or hybrid)",
     )
     sampling: SamplingConfig = SamplingConfig()
     batch_size: PosInt = Field(8, description="prompts generated together")
@@ -191,7 +193,14 @@ class ExtractConfig(Section):
     )
     workers: PosInt = Field(2, description="producer processes, each with its own target")
     consumers: PosInt = Field(1, description="consumers, one per trainer rank (ids split by rank)")
-    max_in_flight: PosInt = Field(8, description="credits: samples assigned but not consumed")
+    max_in_flight: PosInt = Field(
+        8,
+        description="credits: samples assigned but not consumed (answering prompts, at least "
+        "2 x workers x decode_rows)",
+    )
+    decode_rows: PosInt = Field(
+        64, description="prompts each producer answers together (prepare.engine extract)"
+    )
     host: str = Field("127.0.0.1", description="address the coordinator and Mooncake bind")
     control_port: NonNegInt = Field(
         0, description="first consumer's coordinator port, rank r at +r (0: any free ports)"
@@ -222,6 +231,14 @@ class OptimConfig(Section):
     )
 
 
+# The draft's final norm starts as the target's times this. The target's lm_head is tied to its
+# embedding, so at 1.0 a fresh draft repeats its input token with logits sharp enough (CE ~40
+# nats) to starve the TV gradient; smaller starts it soft.
+OutputScale = Annotated[
+    float, Field(gt=0.0, le=1.0, description="initial final-norm scale, times the target's")
+]
+
+
 class DSparkDraftConfig(Section):
     """DeepSpec's published DSpark recipe (lr 6e-4, 4% warmup, cosine, clip 1.0, CE 0.1 + TV
     0.9 decayed by exp(-k/4), confidence BCE alpha 1, 512 anchors, Markov rank 256 vanilla)."""
@@ -248,6 +265,7 @@ class DSparkDraftConfig(Section):
     confidence_weight: Annotated[float, Field(ge=0.0)] = Field(
         1.0, description="alpha: weight of the confidence BCE"
     )
+    output_scale: OutputScale = 1.0
     optim: OptimConfig = OptimConfig()
 
     @model_validator(mode="after")
@@ -271,6 +289,7 @@ class Eagle3DraftConfig(Section):
     loss_decay: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
         0.8, description="step k weighs loss_decay**k"
     )
+    output_scale: OutputScale = 1.0
     optim: OptimConfig = OptimConfig()
 
 
@@ -399,6 +418,9 @@ class EvaluateConfig(Section):
     )
     long_prompts_per_case: PosInt | None = Field(
         None, description="the same for each long-context case (default: all)"
+    )
+    categories: list[Category] | None = Field(
+        None, description="categories evaluated (default: every one the eval set holds)"
     )
     batch_size: PosInt = Field(
         8,
@@ -540,6 +562,31 @@ class Params(Section):
     benchmark: BenchmarkConfig = BenchmarkConfig()
     export: ExportConfig = ExportConfig()
 
+    @model_validator(mode="after")
+    def _answers_made_once(self) -> Params:
+        if self.prepare.engine != "extract":
+            return self
+        if self.extract.mode == "online":
+            raise ValueError(
+                "prepare.engine extract needs extract.mode offline or hybrid: the extract stage "
+                "answers the prompts once and the trainer reads its shards (online, every epoch "
+                "would decode them again)"
+            )
+        if not self.prepare.sampling.greedy:
+            raise ValueError("prepare.engine extract decodes greedily: set prepare.sampling.greedy")
+        return self
+
+    def stream_credits(self, samples: int) -> tuple[int, int | None]:
+        """(samples in flight at once, the most one producer works on) for a stream of
+        `samples`. Producers that answer prompts each get at most their rows and their share of
+        the samples (more would go to whichever said hello first, idling the others), and the
+        stream slack for its order: a sample is delivered only once every lower id is."""
+        x = self.extract
+        if self.prepare.engine != "extract":
+            return x.max_in_flight, None
+        share = min(x.decode_rows, -(-samples // x.workers))
+        return max(x.max_in_flight, 2 * x.workers * x.decode_rows), max(share, 1)
+
     def flat(self) -> dict[str, Any]:
         """Dotted key -> scalar (lists as strings): what MLflow params want."""
         out: dict[str, Any] = {}
@@ -584,6 +631,8 @@ def _first_error(err: ValidationError, where: str, overlay: dict | None, profile
     if overlay is not None and _has_path(overlay, loc):
         key = f"{PROFILES_KEY}.{profile}.{key}"
     msg = e["msg"]
+    if e["type"] == "value_error" and not loc:  # a check across sections names its own keys
+        return f"{where}: {msg.removeprefix('Value error, ')}"
     if e["type"] == "extra_forbidden":
         msg = "unknown key"
     elif "input" in e and not isinstance(e["input"], dict | list):

@@ -149,6 +149,10 @@ def _extract(ctx: StageContext) -> dict:
     )
 
 
+# What a stream's producers need of prepare to answer prompts (dspark.extract.onpolicy).
+ANSWERING = ("prepare.engine", "prepare.max_prompt_tokens", "prepare.max_new_tokens")
+
+
 def _train(ctx: StageContext) -> dict:
     from dspark.train.stage import TrainPaths, train
 
@@ -254,7 +258,8 @@ STAGES: tuple[Stage, ...] = (
         name="extract",
         help="capture hidden states in producer processes and stream them over Mooncake",
         run=_extract,
-        params=("target", "extract"),
+        # With prepare.engine extract the producers answer the prompts: its caps are theirs.
+        params=("target", "extract", *ANSWERING),
         inputs=(
             TARGET_DIR,
             SHARDS,
@@ -267,7 +272,7 @@ STAGES: tuple[Stage, ...] = (
         help="train the DSpark draft and the EAGLE-3 baseline side by side on the hidden states",
         run=_train,
         # Online, the trainer opens the stream itself: the extract params shape what it gets.
-        params=("target", "extract", "train"),
+        params=("target", "extract", "train", *ANSWERING),
         inputs=(
             TARGET_DIR,
             SHARDS,

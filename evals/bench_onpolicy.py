@@ -44,7 +44,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def prompts_of(shards: Path, n: int) -> list[list[int]]:
     out = []
     for s in iter_samples(shards):
-        cut = int(torch.nonzero(s.loss_mask).flatten()[0]) if s.loss_mask.any() else s.num_tokens
+        cut = (
+            int(torch.nonzero(s.loss_mask).flatten()[0])
+            if s.loss_mask.any()
+            else s.input_ids.numel()
+        )
         out.append(s.input_ids[:cut].tolist())
         if len(out) == n:
             break

@@ -7,6 +7,9 @@ prompt, in order, ending at (and including) EOS if reached.
     hf    transformers' generate on the loaded target, in this process
     vllm  vLLM's server from its own venv (`make vllm-venv`), started on the first call (a rerun
           whose shards are all finished never starts it) and stopped when the stage ends
+    extract  answers nothing here: a sample without a response is a prompt the extract stage's
+          producers answer, keeping the hidden states as they decode (dspark.extract.onpolicy),
+          so the target runs over those tokens once, not twice
 """
 
 from __future__ import annotations
@@ -63,6 +66,14 @@ def _hf(setup: EngineSetup) -> Iterator[GenerateFn]:
     from dspark.data.generate import generate_batch
 
     yield functools.partial(generate_batch, setup.target)
+
+
+@register("extract")
+def _left_to_extract(setup: EngineSetup) -> Iterator[GenerateFn]:
+    def generate(prompts, *, max_new_tokens, sampling, seed):
+        return [[] for _ in prompts]
+
+    yield generate
 
 
 @register("vllm")

@@ -198,7 +198,7 @@ def prepare(
                 index,
                 samples=sample_id,
                 tokens=tokens,
-                gen_tok_s=gen_tokens / gen_seconds if gen_seconds else 0.0,
+                gen_tok_s=gen_tokens / gen_seconds if gen_tokens else 0.0,
             )
     bar.close()
     if not entries:
@@ -224,7 +224,8 @@ def prepare(
         "reused_shards": reused_shards,
         "eval_prompts": len(eval_prompts),
         **stats,
-        "gen_tok_s": round(gen_tokens / gen_seconds, 2) if gen_seconds else None,
+        # None with the `extract` engine: the extract stage answers, and measures it.
+        "gen_tok_s": round(gen_tokens / gen_seconds, 2) if gen_tokens else None,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
 

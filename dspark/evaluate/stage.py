@@ -92,6 +92,11 @@ def evaluate(
     selected = select_prompts(
         read_prompt_file(source), cfg.prompts_per_category, cfg.long_prompts_per_case, cfg.seed
     )
+    if cfg.categories is not None:
+        missing = [c for c in cfg.categories if c not in selected]
+        if missing:
+            raise DataError(f"evaluate.categories: {source} has no {missing[0]!r} prompts")
+        selected = {c: selected[c] for c in cfg.categories}
     for cat in selected:
         if cat not in cfg.max_new_tokens:
             raise DataError(f"evaluate.max_new_tokens: no cap for category {cat!r}")
@@ -344,11 +349,13 @@ class Evaluation:
 
     def live_prompts(self, selected: dict[str, list[Prompt]]) -> list[Prompt]:
         """`evaluate.live_prompts` of the nine categories' selection, one per category in a
-        seeded order of the categories, round after round."""
+        seeded order of the categories, round after round, each category's shortest first:
+        a live decode is the stage's dearest part, and a long RAG prompt would set its cost."""
         nine = [c for c in selected if c not in LONG_CATEGORIES]
         random.Random(f"{self.cfg.seed}:live").shuffle(nine)
-        rounds = max((len(selected[c]) for c in nine), default=0)
-        order = [selected[c][r] for r in range(rounds) for c in nine if r < len(selected[c])]
+        by_length = {c: sorted(selected[c], key=lambda p: len(p.text)) for c in nine}
+        rounds = max((len(by_length[c]) for c in nine), default=0)
+        order = [by_length[c][r] for r in range(rounds) for c in nine if r < len(by_length[c])]
         return order[: self.cfg.live_prompts]
 
     # --- everything ------------------------------------------------------------------------

@@ -64,17 +64,34 @@ class HiddenStateCapture:
         ids = token_sample.input_ids.to(torch.long)[None]  # [1, S]
         self._seen.clear()
         self.target.model.model(input_ids=ids, use_cache=False)
-        aux = torch.stack([self._seen[i][0] for i in self.aux_layers])  # [L, S, H]
-        last = self._seen[self.target.num_layers - 1][0]  # [S, H], before the final norm
+        return self.package(
+            token_sample.sample_id,
+            token_sample.input_ids,
+            token_sample.loss_mask,
+            {i: self._seen[i][0] for i in self._taps},
+        )
+
+    @torch.inference_mode()
+    def package(
+        self,
+        sample_id: int,
+        input_ids: torch.Tensor,  # [S]
+        loss_mask: torch.Tensor,  # [S]
+        states: dict[int, torch.Tensor],  # {layer: [S, H]} for the aux layers and the last
+    ) -> Sample:
+        """The Sample of these tokens' states, however they were computed (a forward here, or
+        our engine as it decoded them)."""
+        aux = torch.stack([states[i] for i in self.aux_layers])  # [L, S, H]
+        last = states[self.target.num_layers - 1]  # [S, H], before the final norm
         topk_values = topk_indices = None
         if self.topk:
             logits = self.target.lm_head(self.target.norm(last))  # [S, V]
             values, indices = logits.topk(self.topk, dim=-1)  # [S, k]
             topk_values, topk_indices = values.to(self.wire_dtype), indices.to(torch.int32)
         return Sample(
-            sample_id=token_sample.sample_id,
-            input_ids=token_sample.input_ids.to(torch.int32),
-            loss_mask=token_sample.loss_mask.to(torch.bool),
+            sample_id=sample_id,
+            input_ids=input_ids.to(torch.int32),
+            loss_mask=loss_mask.to(torch.bool),
             aux_hidden=aux.to(self.wire_dtype).contiguous(),
             last_hidden=last.to(self.wire_dtype).contiguous(),
             topk_values=topk_values,

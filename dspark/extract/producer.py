@@ -4,13 +4,17 @@
 
 It connects to every consumer's coordinator (one per trainer rank), captures what each assigns,
 stores the payload, announces the manifest to that consumer, heartbeats, and frees a payload
-once its consumer acknowledges it. A lost coordinator (a restarted consumer) is reconnected to;
-the work it had assigned is discarded. The bytes move through dspark.transport (the control
-protocol, the payload stores and the wire manifest); capturing them is extraction's job.
+once its consumer acknowledges it. A sample without a response (a prompt the prepare stage's
+`extract` engine left to us) is answered first, greedily, on our batched engine, which keeps the
+hidden states as it decodes (`onpolicy.py`): one pass over the target for both. A lost
+coordinator (a restarted consumer) is reconnected to; the work it had assigned is discarded.
+The bytes move through dspark.transport (the control protocol, the payload stores and the wire
+manifest); capturing them is extraction's job.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -21,6 +25,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger("dspark.producer")
 
@@ -47,6 +53,9 @@ class ProducerConfig:
     reconnect_for: float = 60.0  # how long to wait for a restarted consumer
     throttle_s: float = 0.0  # tests: a slower producer, to fault it mid-stream
     corrupt_sample: int = -1  # tests: flip one payload byte of this sample, once
+    max_prompt_tokens: int = 512  # prompts to answer: the longest, and how many new tokens
+    max_new_tokens: int = 128
+    rows: int = 32  # prompts answered together
 
     def dump(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -158,12 +167,9 @@ class Session:
 
 def serve(cfg: ProducerConfig) -> int:
     """Produce until every consumer says done. Returns the number of samples published."""
-    import torch
-
     from dspark.data.shards import iter_samples
     from dspark.extract.capture import HiddenStateCapture
     from dspark.models.target import load_target
-    from dspark.transport.wire import handle_for, make_manifest
 
     torch.set_num_threads(cfg.threads)
     # Connect first: a wrong peer fails in seconds, before minutes of loading.
@@ -176,37 +182,135 @@ def serve(cfg: ProducerConfig) -> int:
     sessions = [
         Session(cfg, a, s, work, store) for a, s in zip(cfg.coordinators, socks, strict=True)
     ]
-    corrupt, published, attempts = cfg.corrupt_sample, 0, 0
+    out = Publisher(cfg, store)
+    answering = Answering(cfg, target, capture)
     while not all(s.finished.is_set() for s in sessions):
-        item = work.get()
-        if item is None:
-            continue
-        session, generation, sid = item
-        if generation != session.generation or session.finished.is_set():
-            continue  # assigned by a consumer that has since restarted
-        if cfg.throttle_s:
-            time.sleep(cfg.throttle_s)
-        try:
-            sample = capture(samples[sid])
-        except Exception as e:  # non-finite or schema errors: the consumer must know
-            session.send({"type": "failed", "sample_id": sid, "error": str(e)})
-            continue
-        # A fresh key per attempt: Mooncake keeps the old value when a key is put again.
-        attempts += 1
-        handle = handle_for(cfg.run_id, sid, f"{cfg.name}.{attempts}")
-        manifest = make_manifest(sample, handle)
-        tensors = sample.tensors()
-        if sid == corrupt:
-            corrupt = -1
-            tensors = {**tensors, "aux_hidden": tensors["aux_hidden"].clone()}
-            tensors["aux_hidden"].view(-1).view(torch.uint8)[0] ^= 0xFF
-        store.put(manifest, tensors)
-        session.held[sid] = handle
-        published += 1
-        session.send({"type": "ready", "manifest": manifest})
+        # Idle, wait for work; while rows decode, take only what has arrived.
+        for item in _arrived(work, block=not answering.busy):
+            session, generation, sid = item
+            if not out.current(session, generation):
+                continue  # assigned by a consumer that has since restarted
+            if samples[sid].loss_mask.any():
+                out.publish(session, generation, sid, lambda s=samples[sid]: capture(s))
+            else:
+                answering.waiting.append(item)
+        for (session, generation, sid), make in answering.advance(samples, out):
+            out.publish(session, generation, sid, make)
     capture.close()
     store.close()
-    return published
+    return out.published
+
+
+def _arrived(work: queue.Queue, block: bool) -> list:
+    items = []
+    try:
+        items.append(work.get(block=block))
+        while True:
+            items.append(work.get_nowait())
+    except queue.Empty:
+        pass
+    return [i for i in items if i is not None]  # None: a session ended, look again
+
+
+class Publisher:
+    """Stores a sample's payload and announces it to the consumer that asked for it."""
+
+    def __init__(self, cfg: ProducerConfig, store):
+        self.cfg, self.store = cfg, store
+        self.corrupt, self.published, self.attempts = cfg.corrupt_sample, 0, 0
+
+    @staticmethod
+    def current(session: Session, generation: int) -> bool:
+        return generation == session.generation and not session.finished.is_set()
+
+    def publish(self, session: Session, generation: int, sid: int, make) -> None:
+        """`make()` -> the Sample; what it raises (non-finite or schema errors, a prompt that
+        does not fit) goes to the consumer, which must know."""
+        from dspark.transport.wire import handle_for, make_manifest
+
+        if not self.current(session, generation):
+            return
+        if self.cfg.throttle_s:
+            time.sleep(self.cfg.throttle_s)
+        try:
+            sample = make()
+        except Exception as e:
+            session.send({"type": "failed", "sample_id": sid, "error": str(e)})
+            return
+        # A fresh key per attempt: Mooncake keeps the old value when a key is put again.
+        self.attempts += 1
+        handle = handle_for(self.cfg.run_id, sid, f"{self.cfg.name}.{self.attempts}")
+        manifest = make_manifest(sample, handle)
+        tensors = sample.tensors()
+        if sid == self.corrupt:
+            self.corrupt = -1
+            tensors = {**tensors, "aux_hidden": tensors["aux_hidden"].clone()}
+            tensors["aux_hidden"].view(-1).view(torch.uint8)[0] ^= 0xFF
+        self.store.put(manifest, tensors)
+        session.held[sid] = handle
+        self.published += 1
+        session.send({"type": "ready", "manifest": manifest})
+
+
+class Answering:
+    """Prompts waiting for a row, and the decoder answering them (made on the first prompt:
+    its cache is the size of `rows` full rows)."""
+
+    def __init__(self, cfg: ProducerConfig, target, capture):
+        self.cfg, self.target, self.capture = cfg, target, capture
+        self.waiting: list = []
+        self.decoder = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or (self.decoder is not None and self.decoder.busy)
+
+    def _decoder(self):
+        if self.decoder is None:
+            from dspark.decode.llama import Llama
+            from dspark.extract.onpolicy import OnPolicyDecoder
+
+            t = self.target
+            taps = tuple(sorted({*self.cfg.aux_layers, t.num_layers - 1}))
+            self.decoder = OnPolicyDecoder(
+                Llama.from_hf(t.model),
+                t.eos_token_id,
+                t.max_context,
+                taps,
+                self.cfg.rows,
+                self.cfg.max_prompt_tokens,
+                self.cfg.max_new_tokens,
+            )
+        return self.decoder
+
+    def advance(self, samples: dict, out: Publisher) -> list:
+        """Admit waiting prompts into free rows, decode one step -> [(item, make)] for the
+        samples whose answers ended (a prompt that cannot be admitted fails at once)."""
+        if not self.busy:
+            return []
+        dec, ready = self._decoder(), []
+        while self.waiting and dec.free:
+            item = self.waiting.pop(0)
+            session, generation, sid = item
+            if not out.current(session, generation):
+                continue
+            try:
+                dec.admit(item, samples[sid].input_ids.tolist())
+            except ValueError as e:
+                ready.append((item, functools.partial(_raise, f"sample {sid}: {e}")))
+        if dec.busy:
+            for a in dec.step():
+                ready.append((a.key, functools.partial(self._package, a)))
+        return ready
+
+    def _package(self, answered):
+        ids = torch.tensor(answered.input_ids, dtype=torch.int32)
+        mask = torch.arange(len(ids)) >= answered.prompt_len
+        return self.capture.package(answered.key[2], ids, mask, answered.feats)
+
+
+def _raise(message: str):
+    raise ValueError(message)
 
 
 def main(argv: list[str] | None = None) -> int:

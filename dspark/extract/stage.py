@@ -7,6 +7,11 @@
 
 Modes: `online` keeps nothing but a receipt (the trainer consumes the stream itself), `offline`
 writes hidden-state shards, `hybrid` streams and caches.
+
+With `prepare.engine: extract` the token shards hold prompts without answers, and the producers
+answer them as they capture (greedy, continuously batched, `extract.decode_rows` rows each): the
+on-policy data plane in one pass over the target. `onpolicy_tok_s` in the metrics is what it
+delivers: prompt and response tokens with their hidden states, per wall-second of the stage.
 """
 
 from __future__ import annotations
@@ -127,13 +132,15 @@ def open_stream(
         scratch = Path(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="dspark-stream-", dir=workdir))
         )
+        credits, per_producer = params.stream_credits(len(sample_ids))
         coordinators = [
             Coordinator(
                 rank_ids(sample_ids, rank, local),
                 consumed=consumed,
                 host=host,
                 port=x.control_port + rank if x.control_port else 0,
-                max_in_flight=x.max_in_flight,
+                max_in_flight=credits,
+                per_producer=per_producer,
                 heartbeat_timeout=x.heartbeat_timeout,
                 run_id=run_id,
             )
@@ -169,6 +176,9 @@ def open_stream(
                 segment_bytes=x.segment_mb << 20,
                 buffer_bytes=16 << 20,
                 threads=threads,
+                max_prompt_tokens=params.prepare.max_prompt_tokens,
+                max_new_tokens=params.prepare.max_new_tokens,
+                rows=per_producer or x.decode_rows,  # no more rows than it will get samples
                 **(producer_overrides(i) if producer_overrides else {}),
             )
             path = scratch / f"producer-{i}.json"
@@ -222,16 +232,20 @@ def extract(
     lock = threading.Lock()
     bar = progress_bar(total=len(ids), desc="extract", unit="sample", enabled=progress)
     received: list[int] = []
-    tokens = 0
+    tokens = response_tokens = 0
+    first_s: float | None = None  # start-up: producers loading the target, the master
     errors: list[BaseException] = []
 
     def drain(consumer: StreamConsumer) -> None:
-        nonlocal tokens
+        nonlocal tokens, response_tokens, first_s
         try:
             for sample in consumer:
                 with lock:
+                    if first_s is None:
+                        first_s = time.perf_counter() - t0
                     writer.add(sample)
                     tokens += sample.num_tokens
+                    response_tokens += int(sample.loss_mask.sum())
                     received.append(sample.sample_id)
                     if on_sample:
                         on_sample(sample)
@@ -281,6 +295,13 @@ def extract(
         "producers_lost": sum(s.producers_lost for s in stats),
         "stale_turned_away": sum(s.stale_turned_away for s in stats),
         "tokens": tokens,
+        "response_tokens": response_tokens,
+        # Answered here: prompt and response tokens with their states per wall-second, the
+        # whole on-policy data plane. Else the answers came from prepare and this is capture.
+        "answered_here": params.prepare.engine == "extract",
+        "onpolicy_tok_s": round(tokens / wall, 1) if params.prepare.engine == "extract" else None,
+        "tok_s": round(tokens / wall, 1),
+        "first_sample_s": None if first_s is None else round(first_s, 2),
         "bytes_received": bytes_received,
         "mb_per_s": round(bytes_received / 1e6 / wall, 2),
         "consumer_wait_fraction": round(

@@ -118,7 +118,7 @@ def build_runs(
         torch.manual_seed(t.seed)
         model = DSparkDraft(cfg, embed, rows)
         with torch.no_grad():
-            model.norm.weight.copy_(target.norm.weight)
+            model.norm.weight.copy_(target.norm.weight * d.output_scale)
         model.to(device)
         runs.append(
             DraftRun(
@@ -152,6 +152,8 @@ def build_runs(
         torch.manual_seed(t.seed)
         model = Eagle3Draft(cfg, embed)
         model.init_from_target(target.norm, target.lm_head, draft_ids)
+        with torch.no_grad():
+            model.norm.weight.mul_(e.output_scale)
         model.lm_head.requires_grad_(False)  # frozen, as speculators and DSpark keep it
         model.to(device)
         weights = LossWeights(ce=0.0, tv=0.0, kl=1.0, gamma=None, decay=e.loss_decay)

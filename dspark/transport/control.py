@@ -110,14 +110,18 @@ class Coordinator:
         max_in_flight: int = 8,
         heartbeat_timeout: float = 3.0,
         run_id: str = "",
+        per_producer: int | None = None,
     ):
-        """`run_id`: the stream's; producers of any other are turned away ("": take any)."""
+        """`run_id`: the stream's; producers of any other are turned away ("": take any).
+        `per_producer`: the most samples one producer works on at once (None: any share of the
+        credits), so the first producer to say hello cannot take a batch meant for all."""
         warn_if_exposed(host, "the stream coordinator")
         self.run_id = run_id
         self.order = sorted(set(sample_ids) - (consumed or set()))
         self.pending: deque[int] = deque(self.order)
         self._wanted = frozenset(self.order)  # a ready for anything else is released unused
         self.max_in_flight = max_in_flight
+        self.per_producer = per_producer
         self.heartbeat_timeout = heartbeat_timeout
         self.stats = StreamStats()
         self._cv = threading.Condition()
@@ -250,6 +254,8 @@ class Coordinator:
         live = [p for p in self._peers.values() if p.alive]
         while live and self.pending and self._in_flight() < self.max_in_flight:
             peer = min(live, key=lambda p: len(p.outstanding))
+            if self.per_producer is not None and len(peer.outstanding) >= self.per_producer:
+                break
             sid = self.pending.popleft()
             peer.outstanding.add(sid)
             if not send(peer.sock, peer.lock, {"type": "assign", "sample_ids": [sid]}):

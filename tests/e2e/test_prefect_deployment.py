@@ -109,8 +109,11 @@ def check_stage_outputs(repo, on_netns: bool) -> None:
     metrics = json.loads((repo / "metrics" / "prepare.json").read_text())
     assert metrics["profile"] == "smoke" and metrics["num_samples"] == 8
     assert {"git_commit", "created_at"} <= metrics.keys()
+    extract = json.loads((repo / "metrics" / "extract.json").read_text())
+    assert extract["answered_here"] and extract["samples_received"] == 8  # one on-policy pass
+    assert extract["response_tokens"] > 0 and extract["onpolicy_tok_s"] > 0
     train = json.loads((repo / "metrics" / "train.json").read_text())
-    assert train["source"] == "stream" and train["steps"] > 0
+    assert train["source"] == "shards" and train["steps"] > 0
     assert {"dspark", "eagle3", "goal"} <= train.keys()
     assert len(train["dspark"]["pos_accept"]) == 8 and train["dspark"]["curve"]
     export = json.loads((repo / "metrics" / "export.json").read_text())

@@ -46,6 +46,7 @@ def smoke(*sets: str) -> Params:
         ROOT / "params.yaml",
         profile="smoke",
         overrides=[
+            "prepare.engine=hf",  # the online tests stream answered shards
             "extract.mode=offline",
             "train.draft_vocab_size=256",
             "train.batch_size=4",

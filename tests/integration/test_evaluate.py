@@ -60,6 +60,17 @@ def write_prompts(path, rows):
     return path
 
 
+def eval_paths(target_dir, drafts, tmp_path, rows=PROMPTS):
+    return EvalPaths(
+        target=target_dir,
+        drafts=drafts,
+        prompts=write_prompts(tmp_path / "p.jsonl", rows),
+        plots=tmp_path / "plots",
+        report=tmp_path / "report.md",
+        records=tmp_path / "records",
+    )
+
+
 def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
     paths = EvalPaths(
@@ -300,14 +311,7 @@ def test_the_targets_own_continuation_reaches_k_plus_one_through_the_stage(
 ):
     """Issue 20's oracle: a draft that proposes what the target will say emits k + 1 tokens on
     every verify step but a prompt's last, replayed and live, through the evaluation itself."""
-    paths = EvalPaths(
-        target=tiny_target_dir,
-        drafts=drafts,
-        prompts=write_prompts(tmp_path / "p.jsonl", PROMPTS),
-        plots=tmp_path / "plots",
-        report=tmp_path / "report.md",
-        records=tmp_path / "records",
-    )
+    paths = eval_paths(tiny_target_dir, drafts, tmp_path)
     p = params("evaluate.methods=[dspark,none]", "evaluate.lm_eval.limit=0")
     ev = Evaluation(p, tiny_target, paths)
     k = ev.proposers["dspark"].k
@@ -320,3 +324,16 @@ def test_the_targets_own_continuation_reaches_k_plus_one_through_the_stage(
     live = result["overall"]["dspark"]["live"]
     # live, at the 12-token cap: the 11 tokens after the prefill's in ceil(11 / (k + 1)) steps
     assert live["n"] == 3 and live["tau"] == pytest.approx(11 / -(-11 // (k + 1)), abs=1e-4)
+
+
+def test_categories_pick_what_is_evaluated_and_live_prompts_go_shortest_first(
+    tiny_target, tiny_target_dir, drafts, tmp_path
+):
+    """`evaluate.categories` names what a profile evaluates (a category the eval set lacks is an
+    error before anything loads); each category's live prompt is its shortest first."""
+    paths = eval_paths(tiny_target_dir, drafts, tmp_path)
+    with pytest.raises(DataError, match=r"^evaluate\.categories: .* no 'HumanEval' prompts"):
+        evaluate(params("evaluate.categories=[writing, HumanEval]"), paths)
+    ev = Evaluation(params(), tiny_target, paths)
+    live = ev.live_prompts(select_prompts(read_prompt_file(paths.prompts), 2, 1))
+    assert {p.id for p in live[:2]} == {"m2", "w"} and [p.id for p in live[2:]] == ["m"]

@@ -16,7 +16,7 @@ import torch
 
 from dspark.config import load_params
 from dspark.data.prepare import PreparePaths, prepare
-from dspark.data.shards import iter_samples
+from dspark.data.shards import TokenSample, iter_samples
 from dspark.extract.capture import HiddenStateCapture
 from dspark.extract.producer import ProducerConfig
 from dspark.extract.stage import extract, open_stream
@@ -48,6 +48,7 @@ def prepared(tiny_target, tiny_target_dir, tmp_path_factory):
             "prepare.shard_size=8",
             "data.eval_counts={qa: 1}",
             "prepare.max_new_tokens=8",
+            "prepare.engine=hf",  # answered shards: these tests are the transport's
         ],
     )
     paths = PreparePaths(
@@ -62,6 +63,7 @@ def stream_params(*sets):
         ROOT / "params.yaml",
         profile="smoke",
         overrides=[
+            "prepare.engine=hf",  # the credits are max_in_flight's
             "extract.workers=2",
             "extract.max_in_flight=6",
             "extract.heartbeat_timeout=2",
@@ -126,6 +128,63 @@ def test_two_producers_over_mooncake_every_sample_verified(
     )
     sizes = [len(b) for b in batches(iter_hidden(tmp_path / "hidden"), 5)]
     assert sizes == [5, 5, 5, 5, 4]
+
+
+def test_producers_answer_prompts_as_they_capture(tiny_target, tiny_target_dir, tmp_path):
+    """prepare.engine extract: the shards hold prompts; two producers answer them (4 rows each,
+    refilled as rows end) and stream tokens and states in one pass. Every answer is the target's
+    greedy one (teacher-forced against transformers), and every state a full forward's."""
+    from dspark.decode.reference import TIE, Reference
+
+    train = tmp_path / "train.jsonl"
+    train.write_text(
+        "".join(
+            json.dumps({"category": "t", "prompt": f"Tell me about thing {i}, please."}) + "\n"
+            for i in range(NUM)
+        )
+    )
+    sets = [
+        f"data.train_sources=[{train}]",
+        f"prepare.num_samples={NUM}",
+        "prepare.shard_size=8",
+        "data.eval_counts={qa: 1}",
+        "prepare.max_new_tokens=6",
+        "prepare.engine=extract",
+        "extract.mode=offline",
+        "extract.decode_rows=4",
+    ]
+    params = stream_params(*sets)
+    paths = PreparePaths(
+        target=tiny_target_dir, shards=tmp_path / "shards", eval_prompts=tmp_path / "eval.jsonl"
+    )
+    prepared = prepare(params, tiny_target, paths, progress=False)
+    assert prepared["response_tokens"] == 0 and prepared["gen_tok_s"] is None
+    metrics = extract(
+        params,
+        target_dir=tiny_target_dir,
+        shards_dir=paths.shards,
+        out_dir=tmp_path / "hidden",
+        progress=False,
+    )
+    assert metrics["samples_received"] == NUM and metrics["answered_here"]
+    assert metrics["onpolicy_tok_s"] > 0 and 0 < metrics["response_tokens"] <= 6 * NUM
+    prompts = {s.sample_id: s.input_ids.tolist() for s in iter_samples(paths.shards)}
+    got = list(iter_hidden(tmp_path / "hidden"))
+    assert [s.sample_id for s in got] == list(range(NUM))
+    paths_, prompts_ = [], []
+    capture = HiddenStateCapture(tiny_target, [0, 1], "float32")
+    for s in got:
+        prompt, ids = prompts[s.sample_id], s.input_ids.tolist()
+        assert ids[: len(prompt)] == prompt and 1 <= len(ids) - len(prompt) <= 6
+        assert s.loss_mask.tolist() == [i >= len(prompt) for i in range(len(ids))]
+        full = capture(TokenSample(s.sample_id, "", s.input_ids, s.loss_mask))
+        assert torch.allclose(s.aux_hidden, full.aux_hidden, atol=1e-4)
+        assert torch.allclose(s.last_hidden, full.last_hidden, atol=1e-4)
+        prompts_.append(prompt)
+        paths_.append(ids[len(prompt) :])
+    capture.close()
+    for row in Reference(tiny_target).check_batch(prompts_, paths_):
+        assert all(margin < TIE for _, margin in row), row  # at most ties, never a divergence
 
 
 def test_killed_producer_samples_are_reassigned(tiny_target, tiny_target_dir, prepared):

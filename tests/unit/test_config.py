@@ -56,7 +56,7 @@ def test_defaults_live_in_the_schema_only():
             ("      num_samples: 8\n", "      num_samples: 0\n"),
             "profiles.smoke.prepare.num_samples",
         ),
-        (("  mode: online\n", "  mode: online\n  bogus: 1\n"), "extract.bogus: unknown key"),
+        (("  workers: 2\n", "  workers: 2\n  bogus: 1\n"), "extract.bogus: unknown key"),
     ],
 )
 def test_bad_values_name_the_dotted_key(tmp_path, edit, message):
@@ -65,6 +65,20 @@ def test_bad_values_name_the_dotted_key(tmp_path, edit, message):
     path = write(tmp_path, PARAMS.replace(old, new, 1))
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         load_params(path)
+
+
+def test_answering_in_extract_needs_shards_and_greedy():
+    """prepare.engine extract: the stream answers once, so training must read shards; a check
+    across sections names its keys without pydantic's location."""
+    with pytest.raises(ConfigError, match=r"^--set: prepare\.engine extract needs extract\.mode"):
+        load_params(ROOT / "params.yaml", overrides=["extract.mode=online"])
+    with pytest.raises(ConfigError, match=r"set prepare\.sampling\.greedy$"):
+        load_params(ROOT / "params.yaml", overrides=["prepare.sampling.greedy=false"])
+    params = load_params(ROOT / "params.yaml", overrides=["extract.decode_rows=8"])
+    assert params.stream_credits(100) == (32, 8)  # 2 workers x 8 rows, twice, for the order
+    assert params.stream_credits(6) == (32, 3)  # a share each, not all to the first hello
+    hf = load_params(ROOT / "params.yaml", overrides=["prepare.engine=hf"])
+    assert hf.stream_credits(100) == (hf.extract.max_in_flight, None)
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path):

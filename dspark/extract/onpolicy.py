@@ -1,0 +1,105 @@
+"""On-policy samples in one pass over the target: a producer answers prompts on our batched
+engine and keeps the tapped layers' hidden states as the tokens are made, so generating a
+response and extracting its states are the same forward passes (the prepare stage's `extract`
+engine leaves the answers to this).
+
+Rows are continuously batched: a prompt takes a free row as soon as one frees, and a sample
+leaves as soon as its row ends, so the batch stays full whatever the lengths. A row that ends
+(EOS or max_new_tokens) runs one more plain step for the states of its last token, which the
+extract stage's full forward has too; the token that step chooses is dropped.
+
+Decoding is greedy, like the prepare stage's default: the same tokens as transformers' greedy
+`generate`, up to float noise between a batched and a one-row forward.
+
+Shape glossary: B rows, S positions of a sample, H hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from dspark.decode.engine import SpecDecoder
+from dspark.decode.llama import Llama
+from dspark.decode.replay import Recorder
+from dspark.decode.sampling import GREEDY
+
+
+@dataclass
+class Answered:
+    key: Hashable  # whatever the caller admitted the prompt with
+    input_ids: list[int]  # prompt + response (EOS included if reached)
+    prompt_len: int
+    feats: dict[int, torch.Tensor]  # {layer: [S, H]} outputs of the tapped layers
+
+
+class OnPolicyDecoder:
+    """`admit` prompts while `free` rows remain, `step` while `busy`; each step returns the
+    samples whose rows ended."""
+
+    def __init__(
+        self,
+        llama: Llama,
+        eos_id: int,
+        max_context: int,
+        taps: tuple[int, ...],
+        rows: int,
+        max_prompt_tokens: int,
+        max_new_tokens: int,
+    ):
+        if max_prompt_tokens + max_new_tokens > max_context:
+            raise ValueError(
+                f"a prompt of {max_prompt_tokens} tokens + {max_new_tokens} new exceeds the "
+                f"target's {max_context} positions"
+            )
+        self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
+        self.recorder = Recorder(taps)
+        self.dec = SpecDecoder(llama, self.recorder, eos_id, max_context)
+        # The dropped token after a row's last one is written one past it.
+        self.rows = self.dec.new_rows(rows, max_prompt_tokens + max_new_tokens + 1)
+        self.key: list[Hashable | None] = [None] * rows
+        self.prompt_len = [0] * rows
+        self.made = [0] * rows  # response tokens so far
+        self.closing = [False] * rows  # the last token is in: one more step for its states
+
+    @property
+    def free(self) -> list[int]:
+        return [r for r in range(len(self.key)) if self.key[r] is None]
+
+    @property
+    def busy(self) -> bool:
+        return any(k is not None for k in self.key)
+
+    def admit(self, key: Hashable, prompt: list[int]) -> None:
+        if not 0 < len(prompt) <= self.max_prompt_tokens:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens (1 to {self.max_prompt_tokens} fit a row)"
+            )
+        r = self.free[0]
+        first = self.dec.admit(self.rows, r, prompt, GREEDY, None)
+        self.key[r], self.prompt_len[r], self.made[r] = key, len(prompt), 1
+        self.closing[r] = self._ends(first, 1)
+
+    def _ends(self, token: int, made: int) -> bool:
+        return token == self.dec.eos_id or made >= self.max_new_tokens
+
+    @torch.no_grad()
+    def step(self) -> list[Answered]:
+        rows = self.rows
+        anchor = rows.n.clone()  # each row's last token: this step computes its states
+        st = self.dec.step(rows, GREEDY, None, draft=False)
+        done = []
+        for r in torch.nonzero(st.count).flatten().tolist():
+            if self.closing[r]:
+                length = int(anchor[r]) + 1
+                feats = {i: f[r, :length].clone() for i, f in self.recorder.feats.items()}
+                ids = rows.seq[r, :length].tolist()
+                done.append(Answered(self.key[r], ids, self.prompt_len[r], feats))
+                rows.active[r] = False
+                self.key[r] = None
+                continue
+            self.made[r] += 1
+            self.closing[r] = self._ends(int(st.tokens[r, 0]), self.made[r])
+        return done

@@ -1,0 +1,209 @@
+"""Flow `dspark-sweep`: tracked experiments over one stage, judged on its own held-out split.
+
+    python -m flows.sweep --name recipe --stage train \\
+        --point 'train.dspark.max_anchors=512' \\
+        --point 'train.dspark.max_anchors=32 train.batch_size=8' \\
+        [--set train.epochs=3] [--metric dspark.tau_sim] [--column eagle3.tau_sim] [--first N]
+
+Each point is a DVC experiment (`dvc exp run STAGE -S ...`, named `<name>-<i>`; `dvc exp show`
+lists them with their params and metrics) and an MLflow run, a child of the sweep's parent run,
+with the point's settings as params and every number of the stage's metrics file. `--set`
+applies to every point. The train stage's metric is tau_sim on its held-out samples, drawn from
+the training data, which the prepare stage keeps disjoint from the evaluation prompts: a sweep
+never sees them.
+
+`dvc exp run -S` writes into params.yaml, so the file is restored after every point and points
+never accumulate. The table, one row per point ranked by `--metric`, goes to
+metrics/sweeps/<name>.csv (and .json, with the command that made it).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from dspark import stages
+from dspark.config import load_params, parse_override
+from dspark.errors import ConfigError
+from dspark.io import write_text
+from dspark.metrics import git_commit, write_metrics
+from tasks.stage import dvc
+from tasks.tracking import Tracker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_point(text: str) -> dict[str, object]:
+    """'a.b=1 c=[1, 2]' -> {'a.b': 1, 'c': [1, 2]}: settings split on spaces outside brackets."""
+    out, depth, word = {}, 0, ""
+    for ch in text.strip() + " ":
+        depth += (ch in "[{") - (ch in "]}")
+        if ch == " " and depth == 0:
+            if word:
+                parts, value = parse_override(word)
+                out[".".join(parts)] = value
+            word = ""
+        else:
+            word += ch
+    if not out:
+        raise ConfigError(f"--point {text!r}: no KEY=VALUE settings")
+    return out
+
+
+def _cli_value(value: object) -> str:
+    return (
+        json.dumps(value) if isinstance(value, list | dict | bool) or value is None else str(value)
+    )
+
+
+def dvc_sets(params_file: Path, point: dict[str, object]) -> list[str]:
+    """`-S` arguments that set each key in the active profile's overlay, which wins over the
+    sections (a key the file lacks is added: Hydra's `+`)."""
+    from dspark.config import read_yaml
+
+    tree = read_yaml(params_file)
+    profile = tree.get("profile", "default")
+    out = []
+    for key, value in point.items():
+        path = ["profiles", profile, *key.split(".")]
+        node, present = tree, True
+        for part in path:
+            if not isinstance(node, dict) or part not in node:
+                present = False
+                break
+            node = node[part]
+        out += ["-S", f"{'' if present else '+'}{'.'.join(path)}={_cli_value(value)}"]
+    return out
+
+
+def _dig(doc: dict, dotted: str):
+    for part in dotted.split("."):
+        doc = doc[part]
+    return doc
+
+
+@flow(name="dspark-sweep", log_prints=True)
+def sweep(
+    name: str,
+    points: list[dict[str, object]],
+    stage: str = "train",
+    fixed: dict[str, object] | None = None,
+    metric: str = "dspark.tau_sim",
+    root: str = str(ROOT),
+    first: int = 0,
+    columns: tuple[str, ...] = (),
+) -> list[dict]:
+    logger = get_run_logger()
+    root_path = Path(root)
+    params_file = root_path / "params.yaml"
+    spec = stages.get(stage)
+    fixed = fixed or {}
+    settings = [{**fixed, **p} for p in points]
+    for s in settings:  # every point validates before the first one runs
+        load_params(params_file, overrides=[f"{k}={_cli_value(v)}" for k, v in s.items()])
+    params = load_params(params_file)
+    tracker = Tracker(params, root_path)
+    parent = tracker.start(
+        f"sweep-{name}",
+        tags={"sweep": name, "stage": stage, "git_commit": git_commit(root_path)},
+    )
+    tracker.params(parent, {f"fixed.{k}": v for k, v in fixed.items()})
+    original = params_file.read_text()
+    rows, ok = [], False
+    try:
+        for i, point in enumerate(settings, start=first):
+            exp = f"{name}-{i}"
+            sets = dvc_sets(params_file, point)
+            logger.info("%s: %s", exp, " ".join(sets[1::2]))
+            dvc(["exp", "remove", exp], root_path)  # a rerun of the sweep replaces its points
+            t0 = time.perf_counter()
+            try:
+                rc, out = dvc(["exp", "run", stage, "--name", exp, *sets], root_path)
+            finally:
+                write_text(params_file, original)  # the next point starts from the same file
+            if rc != 0:
+                raise RuntimeError(f"{exp}: dvc exp run failed ({rc}): {out.strip()[-2000:]}")
+            doc = json.loads((root_path / spec.metrics).read_text())
+            child = tracker.start(exp, parent=parent, tags={"sweep": name, "dvc.exp": exp})
+            tracker.params(child, point)
+            tracker.metrics(child, doc)
+            tracker.finish(child, True)
+            row = {"exp": exp, **{k: _cli_value(v) for k, v in point.items()}}
+            for key in (metric, *columns):
+                row[key] = _dig(doc, key)
+            row["wall_s"] = round(time.perf_counter() - t0, 1)
+            rows.append(row)
+            logger.info("%s: %s = %s", exp, metric, row[metric])
+        ok = True
+    finally:
+        tracker.finish(parent, ok)
+    return _write_table(root_path / "metrics" / "sweeps" / name, rows, metric, params.profile)
+
+
+def _write_table(stem: Path, rows: list[dict], metric: str, profile: str) -> list[dict]:
+    """Merge into the sweep's table (a point run again replaces its row), ranked by metric."""
+    old = stem.with_suffix(".json")
+    commands = ["python -m flows.sweep " + shlex.join(sys.argv[1:])]
+    if old.is_file():
+        before = json.loads(old.read_text())
+        mine = {r["exp"] for r in rows}
+        rows = [r for r in before["points"] if r["exp"] not in mine] + rows
+        commands = before.get("commands", []) + commands
+    rows.sort(key=lambda r: -float(r[metric]))
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, columns)
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(stem.with_suffix(".csv"), buf.getvalue())
+    write_metrics(stem.with_suffix(".json"), profile, {"commands": commands, "points": rows})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="tracked experiments over one stage")
+    ap.add_argument("--name", required=True, help="the sweep's name: exps are <name>-<i>")
+    ap.add_argument("--stage", default="train")
+    ap.add_argument("--point", action="append", required=True, help="'KEY=VALUE KEY=VALUE ...'")
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every point")
+    ap.add_argument("--metric", default="dspark.tau_sim", help="dotted key of the metrics file")
+    ap.add_argument("--first", type=int, default=0, help="number the points from here")
+    ap.add_argument(
+        "--column",
+        action="append",
+        default=[],
+        help="another dotted key of the metrics file to tabulate (e.g. eagle3.tau_sim)",
+    )
+    args = ap.parse_args(argv)
+    try:
+        points = [parse_point(p) for p in args.point]
+        fixed = parse_point(" ".join(args.set)) if args.set else {}
+        stages.get(args.stage)
+    except (ConfigError, KeyError) as e:
+        print(f"sweep: error: {e}", file=sys.stderr)
+        return 2
+    rows = sweep(
+        args.name,
+        points,
+        args.stage,
+        fixed,
+        args.metric,
+        first=args.first,
+        columns=tuple(args.column),
+    )
+    for r in rows:
+        print("  ".join(f"{k}={v}" for k, v in r.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The producers' on-policy decoder: continuously batched greedy answers equal transformers'
+greedy generate, and the states it keeps as it decodes equal the extract stage's full forward
+over the same tokens, the last token included, whatever order rows end and refill in."""
+
+import pytest
+import torch
+
+from dspark.data.shards import TokenSample
+from dspark.extract.capture import HiddenStateCapture
+from dspark.extract.onpolicy import OnPolicyDecoder
+from tests.unit.conftest import NEW
+
+TAPS = (0, 1)  # the tiny target's two layers: an aux layer and the last
+
+
+def answer_all(llama, varied, prompts, *, rows, max_new=NEW, eos=None):
+    dec = OnPolicyDecoder(
+        llama, varied.eos_token_id if eos is None else eos, 2048, TAPS, rows, 64, max_new
+    )
+    pending, out = list(enumerate(prompts)), {}
+    while pending or dec.busy:
+        while pending and dec.free:
+            dec.admit(*pending.pop(0))
+        for a in dec.step():
+            out[a.key] = a
+    return [out[i] for i in range(len(prompts))]
+
+
+def full_forward(varied, answered):
+    capture = HiddenStateCapture(varied, [0], "float32")
+    ids = torch.tensor(answered.input_ids, dtype=torch.int32)
+    mask = torch.arange(len(ids)) >= answered.prompt_len
+    sample = capture(TokenSample(0, "0", ids, mask))
+    capture.close()
+    return sample
+
+
+def test_answers_are_greedy_and_states_are_a_full_forward(llama, varied, prompts, reference):
+    """Two rows for three prompts: the third waits for a free row."""
+    for p, want, got in zip(
+        prompts, reference, answer_all(llama, varied, prompts, rows=2), strict=True
+    ):
+        assert got.input_ids[: len(p)] == p and got.prompt_len == len(p)
+        assert got.input_ids[len(p) :] == want
+        full = full_forward(varied, got)
+        assert got.feats[0].shape == (len(got.input_ids), varied.model.config.hidden_size)
+        assert torch.allclose(got.feats[0], full.aux_hidden[0], atol=1e-4)
+        assert torch.allclose(got.feats[1], full.last_hidden, atol=1e-4)
+
+
+def test_a_row_ends_at_eos_and_keeps_its_states(llama, varied, prompts, reference):
+    eos = reference[1][5]
+    cut = reference[1].index(eos) + 1
+    got = answer_all(llama, varied, prompts, rows=3, eos=eos)[1]
+    assert got.input_ids[len(prompts[1]) :] == reference[1][:cut]
+    assert torch.allclose(got.feats[1], full_forward(varied, got).last_hidden, atol=1e-4)
+
+
+def test_one_new_token_still_gets_its_states(llama, varied, prompts, reference):
+    got = answer_all(llama, varied, prompts, rows=1, max_new=1)
+    for p, want, a in zip(prompts, reference, got, strict=True):
+        assert a.input_ids == p + want[:1]
+        assert a.feats[0].shape[0] == len(p) + 1
+        assert torch.allclose(a.feats[1], full_forward(varied, a).last_hidden, atol=1e-4)
+
+
+def test_a_prompt_too_long_for_a_row_is_refused(llama, varied):
+    dec = OnPolicyDecoder(llama, varied.eos_token_id, 2048, TAPS, 1, 8, 4)
+    with pytest.raises(ValueError, match="9 tokens"):
+        dec.admit("x", list(range(10, 19)))
+    with pytest.raises(ValueError, match="exceeds the target's 2048 positions"):
+        OnPolicyDecoder(llama, varied.eos_token_id, 2048, TAPS, 1, 2000, 100)

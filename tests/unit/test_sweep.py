@@ -1,0 +1,49 @@
+"""The sweep flow's pieces that decide what runs and what is recorded: a point's settings, the
+`dvc exp run -S` arguments that put them in the active profile's overlay, and the table that
+merges the points of several invocations."""
+
+import json
+
+import pytest
+
+from dspark.errors import ConfigError
+from flows.sweep import _write_table, dvc_sets, parse_point
+
+
+def test_a_point_splits_on_spaces_outside_brackets():
+    point = parse_point("train.epochs=3  train.drafts=[dspark, eagle3] x.y=0.002")
+    assert point == {"train.epochs": 3, "train.drafts": ["dspark", "eagle3"], "x.y": 0.002}
+    with pytest.raises(ConfigError, match="no KEY=VALUE"):
+        parse_point("   ")
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_point("train.epochs")
+
+
+def test_settings_go_into_the_active_profiles_overlay(tmp_path):
+    """A key the overlay has is set; one it lacks is added (Hydra's `+`); both win over the
+    sections, whatever the profile sets."""
+    path = tmp_path / "params.yaml"
+    path.write_text(
+        "profile: full\ntrain: {epochs: 1}\nprofiles:\n  full:\n    train: {epochs: 2}\n"
+    )
+    sets = dvc_sets(path, {"train.epochs": 5, "train.dspark.max_anchors": 32, "t.l": [1, 2]})
+    assert sets == [
+        "-S",
+        "profiles.full.train.epochs=5",
+        "-S",
+        "+profiles.full.train.dspark.max_anchors=32",
+        "-S",
+        "+profiles.full.t.l=[1, 2]",
+    ]
+
+
+def test_the_table_merges_invocations_and_ranks_by_the_metric(tmp_path):
+    stem = tmp_path / "sweeps" / "recipe"
+    _write_table(stem, [{"exp": "r-0", "a": 1, "tau": 1.05}], "tau", "default")
+    rows = _write_table(
+        stem, [{"exp": "r-1", "a": 2, "tau": 1.2}, {"exp": "r-0", "a": 1, "tau": 1.1}], "tau", "d"
+    )
+    assert [r["exp"] for r in rows] == ["r-1", "r-0"] and rows[1]["tau"] == 1.1  # replaced
+    doc = json.loads(stem.with_suffix(".json").read_text())
+    assert doc["points"] == rows and len(doc["commands"]) == 2
+    assert stem.with_suffix(".csv").read_text().splitlines()[0] == "exp,a,tau"
