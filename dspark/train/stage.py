@@ -15,6 +15,7 @@ import csv
 import functools
 import hashlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from dspark.codedeps import closure
 from dspark.config import MARKOV_ABLATION, Params, check_ranks
 from dspark.data.shards import iter_samples
 from dspark.data.shards import read_manifest as read_token_manifest
-from dspark.errors import ConfigError
+from dspark.errors import ConfigError, DataError
 from dspark.extract.capture import resolve_aux_layers
 from dspark.io import atomic_dir, atomic_path
 from dspark.metrics import EventLog
@@ -47,7 +48,7 @@ from dspark.train.distributed import (
 )
 from dspark.train.losses import LossWeights
 from dspark.train.objectives import DSparkObjective, Eagle3Objective
-from dspark.train.sources import open_source, split_eval
+from dspark.train.sources import HiddenShards, open_source, split_eval
 from dspark.train.trainer import DraftRun, Trainer, fingerprint
 
 
@@ -183,6 +184,15 @@ def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
         return train_rank(params, paths, progress=progress, ranks=ranks)
 
 
+def answered_samples(params: Params, paths: TrainPaths) -> Iterator:
+    """The training samples with their answers: the token shards', or the extract stage's
+    hidden shards' where its producers answered the prompts (prepare.engine extract)."""
+    if params.prepare.engine == "extract":
+        shards = HiddenShards(paths.hidden)
+        return shards.read(shards.ids)
+    return iter_samples(paths.shards)
+
+
 def train_rank(
     params: Params, paths: TrainPaths, *, progress: bool = True, ranks: Ranks | None = None
 ) -> dict:
@@ -196,8 +206,13 @@ def train_rank(
     train_ids, eval_ids = split_eval(list(range(tokens_doc["num_samples"])), t.eval_samples)
     held = set(eval_ids)
     counts = count_tokens(
-        (s for s in iter_samples(paths.shards) if s.sample_id not in held), target.vocab_size
+        (s for s in answered_samples(params, paths) if s.sample_id not in held), target.vocab_size
     )
+    if not int(counts.sum()):
+        raise DataError(
+            f"{paths.shards}: no response tokens to build the draft vocabulary from "
+            "(prepare.engine extract: train on the extract stage's shards)"
+        )
     draft_ids = build_draft_ids(counts, t.draft_vocab_size, always=[target.eos_token_id])
     mask_id = resolve_mask_token(t.dspark.mask_token_id, target, counts)
     aux = resolve_aux_layers(params.extract.aux_layers, target.num_layers)

@@ -210,6 +210,9 @@ class Coordinator:
             send(peer.sock, peer.lock, {"type": "ack", "sample_id": sid})  # release it
             return
         self._ready[sid] = (manifest, peer)
+        # Its producer has room again: refill it now, not when the sample's turn comes (a
+        # producer answering prompts would idle its freed rows until the oldest one ends).
+        self._schedule()
 
     def _watch(self) -> None:
         while not self._closed:

@@ -114,6 +114,7 @@ def check_stage_outputs(repo, on_netns: bool) -> None:
     assert extract["response_tokens"] > 0 and extract["onpolicy_tok_s"] > 0
     train = json.loads((repo / "metrics" / "train.json").read_text())
     assert train["source"] == "shards" and train["steps"] > 0
+    assert train["draft_vocab_coverage"] > 0.9  # counted on the answers the producers made
     assert {"dspark", "eagle3", "goal"} <= train.keys()
     assert len(train["dspark"]["pos_accept"]) == 8 and train["dspark"]["curve"]
     export = json.loads((repo / "metrics" / "export.json").read_text())
