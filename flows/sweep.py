@@ -32,7 +32,7 @@ from prefect import flow, get_run_logger
 from dspark import stages
 from dspark.config import load_params, parse_override
 from dspark.errors import ConfigError
-from dspark.io import write_text
+from dspark.io import atomic_path, write_text
 from dspark.metrics import git_commit, write_metrics
 from tasks.stage import dvc
 from tasks.tracking import Tracker
@@ -58,9 +58,10 @@ def parse_point(text: str) -> dict[str, object]:
 
 
 def _cli_value(value: object) -> str:
-    return (
-        json.dumps(value) if isinstance(value, list | dict | bool) or value is None else str(value)
-    )
+    """A value as a `-S` override reads it (strings quoted: Hydra would parse `null` or `1`)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return json.dumps(value)
 
 
 def dvc_sets(params_file: Path, point: dict[str, object]) -> list[str]:
@@ -85,6 +86,8 @@ def dvc_sets(params_file: Path, point: dict[str, object]) -> list[str]:
 
 def _dig(doc: dict, dotted: str):
     for part in dotted.split("."):
+        if not isinstance(doc, dict) or part not in doc:
+            raise KeyError(f"the metrics file has no {dotted!r}")
         doc = doc[part]
     return doc
 
@@ -115,7 +118,14 @@ def sweep(
         tags={"sweep": name, "stage": stage, "git_commit": git_commit(root_path)},
     )
     tracker.params(parent, {f"fixed.{k}": v for k, v in fixed.items()})
-    original = params_file.read_text()
+    # `dvc exp run` leaves the last point's lock, outputs and metrics in the workspace: they
+    # are put back afterwards (the outputs from DVC's cache), so a sweep changes nothing there.
+    kept = {
+        f: f.read_bytes()
+        for f in (params_file, root_path / "dvc.lock", root_path / spec.metrics)
+        if f.is_file()
+    }
+    stem = root_path / "metrics" / "sweeps" / name
     rows, ok = [], False
     try:
         for i, point in enumerate(settings, start=first):
@@ -127,7 +137,7 @@ def sweep(
             try:
                 rc, out = dvc(["exp", "run", stage, "--name", exp, *sets], root_path)
             finally:
-                write_text(params_file, original)  # the next point starts from the same file
+                write_text(params_file, kept[params_file].decode())  # the same start each time
             if rc != 0:
                 raise RuntimeError(f"{exp}: dvc exp run failed ({rc}): {out.strip()[-2000:]}")
             doc = json.loads((root_path / spec.metrics).read_text())
@@ -141,10 +151,15 @@ def sweep(
             row["wall_s"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
             logger.info("%s: %s = %s", exp, metric, row[metric])
+            _write_table(stem, rows, metric, params.profile)  # a later failure keeps this row
         ok = True
     finally:
         tracker.finish(parent, ok)
-    return _write_table(root_path / "metrics" / "sweeps" / name, rows, metric, params.profile)
+        for path, data in kept.items():
+            with atomic_path(path) as tmp:
+                tmp.write_bytes(data)
+        dvc(["checkout", stage], root_path)
+    return _write_table(stem, rows, metric, params.profile)
 
 
 def _write_table(stem: Path, rows: list[dict], metric: str, profile: str) -> list[dict]:
@@ -155,8 +170,8 @@ def _write_table(stem: Path, rows: list[dict], metric: str, profile: str) -> lis
         before = json.loads(old.read_text())
         mine = {r["exp"] for r in rows}
         rows = [r for r in before["points"] if r["exp"] not in mine] + rows
-        commands = before.get("commands", []) + commands
-    rows.sort(key=lambda r: -float(r[metric]))
+        commands = [c for c in before.get("commands", []) if c != commands[0]] + commands
+    rows.sort(key=lambda r: -float(r[metric]) if r[metric] is not None else float("inf"))
     columns = list(dict.fromkeys(k for r in rows for k in r))
     buf = io.StringIO()
     writer = csv.DictWriter(buf, columns)

@@ -51,4 +51,4 @@ def test_estimate_by_hand():
     assert e["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
     assert e["wire_bytes_per_token"] == 4 + 1 + 4 * 576 * 2  # 3 aux + last layer, bf16
     seq = 384 + 128
-    assert e["tokens"] == 64 * seq
+    assert e["tokens"] == 192 * seq

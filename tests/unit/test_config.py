@@ -42,10 +42,10 @@ def test_defaults_live_in_the_schema_only():
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (("  num_samples: 64", "  num_sampels: 64"), "prepare.num_sampels: unknown key"),
-        (("  num_samples: 64", "  num_samples: many"), "prepare.num_samples: Input should be"),
+        (("  num_samples: 192", "  num_sampels: 192"), "prepare.num_sampels: unknown key"),
+        (("  num_samples: 192", "  num_samples: many"), "prepare.num_samples: Input should be"),
         (
-            ("  num_samples: 64", "  num_samples: -3"),
+            ("  num_samples: 192", "  num_samples: -3"),
             "prepare.num_samples: Input should be greater",
         ),
         (
@@ -108,7 +108,7 @@ def run_cli(*args, cwd=ROOT):
 def test_validate_cli_exit_codes(tmp_path):
     ok = run_cli("validate")
     assert ok.returncode == 0, ok.stderr
-    bad = write(tmp_path, PARAMS.replace("  num_samples: 64", "  num_samples: -1", 1))
+    bad = write(tmp_path, PARAMS.replace("  num_samples: 192", "  num_samples: -1", 1))
     res = run_cli("validate", str(bad))
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()

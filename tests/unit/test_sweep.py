@@ -26,7 +26,9 @@ def test_settings_go_into_the_active_profiles_overlay(tmp_path):
     path.write_text(
         "profile: full\ntrain: {epochs: 1}\nprofiles:\n  full:\n    train: {epochs: 2}\n"
     )
-    sets = dvc_sets(path, {"train.epochs": 5, "train.dspark.max_anchors": 32, "t.l": [1, 2]})
+    sets = dvc_sets(
+        path, {"train.epochs": 5, "train.dspark.max_anchors": 32, "t.l": [1, 2], "t.s": "null"}
+    )
     assert sets == [
         "-S",
         "profiles.full.train.epochs=5",
@@ -34,6 +36,8 @@ def test_settings_go_into_the_active_profiles_overlay(tmp_path):
         "+profiles.full.train.dspark.max_anchors=32",
         "-S",
         "+profiles.full.t.l=[1, 2]",
+        "-S",
+        '+profiles.full.t.s="null"',  # a string stays one
     ]
 
 
@@ -45,5 +49,5 @@ def test_the_table_merges_invocations_and_ranks_by_the_metric(tmp_path):
     )
     assert [r["exp"] for r in rows] == ["r-1", "r-0"] and rows[1]["tau"] == 1.1  # replaced
     doc = json.loads(stem.with_suffix(".json").read_text())
-    assert doc["points"] == rows and len(doc["commands"]) == 2
+    assert doc["points"] == rows and len(doc["commands"]) == 1  # the same command, once
     assert stem.with_suffix(".csv").read_text().splitlines()[0] == "exp,a,tau"
