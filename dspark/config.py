@@ -195,7 +195,7 @@ class ExtractConfig(Section):
     consumers: PosInt = Field(1, description="consumers, one per trainer rank (ids split by rank)")
     max_in_flight: PosInt = Field(
         8,
-        description="credits: samples assigned but not consumed (answering prompts, at least "
+        description="credits: samples assigned but not consumed (answering prompts, raised to "
         "2 x workers x decode_rows)",
     )
     decode_rows: PosInt = Field(

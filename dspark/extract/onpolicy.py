@@ -16,7 +16,7 @@ Shape glossary: B rows, S positions of a sample, H hidden.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +81,14 @@ class OnPolicyDecoder:
         first = self.dec.admit(self.rows, r, prompt, GREEDY, None)
         self.key[r], self.prompt_len[r], self.made[r] = key, len(prompt), 1
         self.closing[r] = self._ends(first, 1)
+
+    def drop(self, wanted: Callable[[Hashable], bool]) -> int:
+        """Free the rows whose key is no longer `wanted` (work nobody will take) -> how many."""
+        gone = [r for r, k in enumerate(self.key) if k is not None and not wanted(k)]
+        for r in gone:
+            self.rows.active[r] = False
+            self.key[r] = None
+        return len(gone)
 
     def _ends(self, token: int, made: int) -> bool:
         return token == self.dec.eos_id or made >= self.max_new_tokens

@@ -288,7 +288,14 @@ class Answering:
         samples whose answers ended (a prompt that cannot be admitted fails at once)."""
         if not self.busy:
             return []
-        dec, ready = self._decoder(), []
+        ready = []
+        try:
+            dec = self._decoder()
+        except ValueError as e:  # rows that cannot hold a prompt and its answer: every one fails
+            for session, generation, sid in self.waiting:
+                ready.append(((session, generation, sid), functools.partial(_raise, str(e))))
+            self.waiting.clear()
+            return ready
         while self.waiting and dec.free:
             item = self.waiting.pop(0)
             session, generation, sid = item
@@ -298,6 +305,7 @@ class Answering:
                 dec.admit(item, samples[sid].input_ids.tolist())
             except ValueError as e:
                 ready.append((item, functools.partial(_raise, f"sample {sid}: {e}")))
+        dec.drop(lambda key: out.current(key[0], key[1]))  # a consumer that restarted or ended
         if dec.busy:
             for a in dec.step():
                 ready.append((a.key, functools.partial(self._package, a)))

@@ -70,3 +70,19 @@ def test_a_prompt_too_long_for_a_row_is_refused(llama, varied):
         dec.admit("x", list(range(10, 19)))
     with pytest.raises(ValueError, match="exceeds the target's 2048 positions"):
         OnPolicyDecoder(llama, varied.eos_token_id, 2048, TAPS, 1, 2000, 100)
+
+
+def test_a_dropped_row_frees_for_the_next_prompt(llama, varied, prompts, reference):
+    """Work nobody will take (its consumer restarted) leaves its row; the rest is unchanged."""
+    dec = OnPolicyDecoder(llama, varied.eos_token_id, 2048, TAPS, 2, 64, NEW)
+    dec.admit(0, prompts[0])
+    dec.admit(1, prompts[1])
+    dec.step()
+    assert dec.drop(lambda key: key != 0) == 1 and dec.free == [0]
+    dec.admit(2, prompts[2])
+    out = {}
+    while dec.busy:
+        out.update((a.key, a) for a in dec.step())
+    assert sorted(out) == [1, 2]
+    for i in (1, 2):
+        assert out[i].input_ids[len(prompts[i]) :] == reference[i]
