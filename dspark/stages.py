@@ -265,6 +265,7 @@ STAGES: tuple[Stage, ...] = (
             SHARDS,
         ),
         outs=(HIDDEN,),
+        persist=True,  # finished shards are the stage's checkpoint: a rerun goes on after them
         artifacts=(f"{HIDDEN}/manifest.json",),
     ),
     Stage(

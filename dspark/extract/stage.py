@@ -12,6 +12,10 @@ With `prepare.engine: extract` the token shards hold prompts without answers, an
 answer them as they capture (greedy, continuously batched, `extract.decode_rows` rows each): the
 on-policy data plane in one pass over the target. `onpolicy_tok_s` in the metrics is what it
 delivers: prompt and response tokens with their hidden states, per wall-second of the stage.
+
+A stopped offline or hybrid extraction resumes: the shards it finished stay (`resume.json`, see
+dspark.transport.files) and a rerun streams only the samples they lack, if what the states
+depend on is unchanged (`resume_fingerprint`).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from dspark.infra.spec import resolve as resolve_spec
 from dspark.metrics import EventLog
 from dspark.procs import stop_processes
 from dspark.progress import bar as progress_bar
-from dspark.schema import Sample
+from dspark.records import fingerprint
+from dspark.schema import SCHEMA_VERSION, Sample
 from dspark.stopping import exit_on_sigterm
 from dspark.transport.control import Coordinator
 from dspark.transport.files import HiddenShardWriter
@@ -211,6 +216,24 @@ def _stop_all(coordinators: list[Coordinator], procs: list[subprocess.Popen]) ->
     stop_processes(procs, grace=15)
 
 
+def resume_fingerprint(params: Params, target_dir: Path, shards_dir: Path) -> str:
+    """What a sample's states depend on: the target, the token shards, the taps and the answering
+    caps. Not the code, unlike the evaluation's records: a full run's extraction may span
+    sessions, and a change elsewhere in the library must not throw hours of it away. The
+    producer count, rows and transport only change how fast the same states arrive."""
+    x, p = params.extract, params.prepare
+    basis = {
+        "target": params.target.model_dump(mode="json"),
+        "aux_layers": resolve_aux_layers(x.aux_layers, _num_layers(target_dir)),
+        "wire_dtype": x.wire_dtype,
+        "topk_logits": x.topk_logits,
+        "answering": [p.engine, p.max_prompt_tokens, p.max_new_tokens],
+        "schema_version": SCHEMA_VERSION,
+    }
+    files = [Path(shards_dir) / "manifest.json", Path(target_dir) / "config.json"]
+    return fingerprint(basis, files, ())
+
+
 def extract(
     params: Params,
     *,
@@ -226,18 +249,24 @@ def extract(
     t0 = time.perf_counter()
     ids = list(range(read_token_manifest(shards_dir)["num_samples"]))
     writer = HiddenShardWriter(
-        out_dir, shard_size=x.shard_size, keep_payload=x.mode in ("offline", "hybrid")
+        out_dir,
+        shard_size=x.shard_size,
+        keep_payload=x.mode in ("offline", "hybrid"),
+        fingerprint=resume_fingerprint(params, target_dir, shards_dir),
     )
+    resumed = writer.resumed & set(ids)
     log = EventLog(events)
     lock = threading.Lock()
-    bar = progress_bar(total=len(ids), desc="extract", unit="sample", enabled=progress)
+    bar = progress_bar(
+        total=len(ids), initial=len(resumed), desc="extract", unit="sample", enabled=progress
+    )
     received: list[int] = []
-    tokens = response_tokens = 0
-    first_s: float | None = None  # start-up: producers loading the target, the master
+    tokens = 0  # this run's
+    first_s: float | None = None  # start-up (the master, the targets loading), first answers
     errors: list[BaseException] = []
 
     def drain(consumer: StreamConsumer) -> None:
-        nonlocal tokens, response_tokens, first_s
+        nonlocal tokens, first_s
         try:
             for sample in consumer:
                 with lock:
@@ -245,7 +274,6 @@ def extract(
                         first_s = time.perf_counter() - t0
                     writer.add(sample)
                     tokens += sample.num_tokens
-                    response_tokens += int(sample.loss_mask.sum())
                     received.append(sample.sample_id)
                     if on_sample:
                         on_sample(sample)
@@ -258,7 +286,13 @@ def extract(
     # trainer can outlive a group signal), and leaving this block is what stops them.
     with (
         exit_on_sigterm(),
-        open_stream(params, target_dir=target_dir, shards_dir=shards_dir, sample_ids=ids) as st,
+        open_stream(
+            params,
+            target_dir=target_dir,
+            shards_dir=shards_dir,
+            sample_ids=ids,
+            consumed=set(resumed),
+        ) as st,
     ):
         consumers = st.consumers(fetch_timeout=x.fetch_timeout)
         threads = [threading.Thread(target=drain, args=(c,)) for c in consumers]
@@ -272,7 +306,7 @@ def extract(
         stats = [c.stats for c in st.coordinators]
     wall = time.perf_counter() - t0
     bytes_received = sum(c.bytes_received for c in consumers)
-    writer.close(
+    doc = writer.close(
         {
             "transport": x.transport,
             "mode": x.mode,
@@ -287,15 +321,20 @@ def extract(
         "consumers": x.consumers,
         "samples_expected": len(ids),
         "samples_received": len(received),
-        "lost": len(set(ids) - set(received)),
+        "resumed_samples": len(resumed),  # kept from an earlier, stopped run of the stage
+        "lost": len(set(ids) - set(received) - resumed),
         "duplicated": len(received) - len(set(received)),
         "duplicates_dropped": sum(s.duplicates_dropped for s in stats),
         "reassigned": sum(s.reassigned for s in stats),
         "resent_after_error": sum(s.resent_after_error for s in stats),
         "producers_lost": sum(s.producers_lost for s in stats),
         "stale_turned_away": sum(s.stale_turned_away for s in stats),
-        "tokens": tokens,
-        "response_tokens": response_tokens,
+        # The whole output, resumed samples included; the rates below are this run's alone.
+        "tokens": sum(e["tokens"] for e in doc["samples"]),
+        "response_tokens": sum(e["response_tokens"] for e in doc["samples"]),
+        "tokens_this_run": tokens,
+        "attempts": len(doc["attempts"]),
+        "wall_s_all_attempts": round(sum(a["wall_s"] for a in doc["attempts"]), 2),
         # Answered here: prompt and response tokens with their states per wall-second, the
         # whole on-policy data plane. Else the answers came from prepare and this is capture.
         "answered_here": params.prepare.engine == "extract",

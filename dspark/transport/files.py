@@ -4,10 +4,17 @@ One safetensors file per shard holds each sample's tensors under `<sample_id>/<n
 `manifest.json` (written last, atomically) lists every sample with its shard and the CRC32 of
 each tensor, so a reader verifies what it loads. In online mode the same manifest is written
 with no shards: a receipt of what streamed through, and a DVC output the train stage depends on.
+
+A long extraction checkpoints: every shard, once on disk, is also listed in `resume.json`, with
+a fingerprint of what the states depend on. A writer opened later on the folder with the same
+fingerprint keeps those shards and goes on after them (the samples it has are `resumed`, for
+the stream to skip); another fingerprint starts over. Closing replaces the file by the manifest.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,27 +27,65 @@ from dspark.schema import SCHEMA_VERSION, Sample
 from dspark.transport.wire import crc32, verify
 
 MANIFEST = "manifest.json"
+RESUME = "resume.json"
 
 
 class HiddenShardWriter:
-    def __init__(self, folder: Path, *, shard_size: int, keep_payload: bool):
+    """`fingerprint`: what the states depend on; with one, a payload-keeping writer resumes
+    what an earlier writer on the folder left (None: always start over)."""
+
+    def __init__(
+        self, folder: Path, *, shard_size: int, keep_payload: bool, fingerprint: str | None = None
+    ):
         self.folder = ensure_writable_dir(Path(folder))
-        for old in self.folder.glob("hidden-*.safetensors"):
-            old.unlink()
         self.shard_size = shard_size
         self.keep_payload = keep_payload
+        self.fingerprint = fingerprint
         self.entries: list[dict] = []
+        self.attempts: list[dict] = []  # earlier writers' wall time and samples, oldest first
         self._pending: list[Sample] = []
         self._shards = 0
+        if fingerprint is not None and keep_payload:
+            self._resume()
+        (self.folder / MANIFEST).unlink(missing_ok=True)
+        kept = {e["shard"] for e in self.entries}
+        for old in self.folder.glob("hidden-*.safetensors"):
+            if old.name not in kept:  # an older run's, or written after the last checkpoint
+                old.unlink()
+        if not self.entries:
+            (self.folder / RESUME).unlink(missing_ok=True)
+        self.resumed = frozenset(e["sample_id"] for e in self.entries)
+        self._t0 = time.monotonic()
+        self._added = 0
+
+    def _resume(self) -> None:
+        try:
+            doc = json.loads((self.folder / RESUME).read_text())
+        except (OSError, ValueError):
+            return  # nothing to resume, or a file from before checkpoints were atomic
+        shards = doc.get("shards", [])
+        if doc.get("fingerprint") != self.fingerprint or not all(
+            (self.folder / name).is_file() for name in shards
+        ):
+            return
+        self.entries = doc["samples"]
+        self.attempts = doc["attempts"]
+        self._shards = len(shards)
+
+    def attempt(self) -> dict:
+        """This writer's share so far: wall seconds since it opened, samples it added."""
+        return {"wall_s": round(time.monotonic() - self._t0, 2), "samples": self._added}
 
     def add(self, sample: Sample) -> None:
         entry = {
             "sample_id": sample.sample_id,
             "tokens": sample.num_tokens,
+            "response_tokens": int(sample.loss_mask.sum()),
             "crc32": {k: crc32(t) for k, t in sample.tensors().items()},
             "shard": None,
         }
         self.entries.append(entry)
+        self._added += 1
         if self.keep_payload:
             self._pending.append(sample)
             if len(self._pending) >= self.shard_size:
@@ -63,6 +108,19 @@ class HiddenShardWriter:
                 e["shard"] = name
         self._pending = []
         self._shards += 1
+        if self.fingerprint is not None:
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """List every shard on disk in `resume.json` (after the shard itself is in place)."""
+        flushed = [e for e in self.entries if e["shard"] is not None]
+        doc = {
+            "fingerprint": self.fingerprint,
+            "shards": sorted({e["shard"] for e in flushed}),
+            "attempts": [*self.attempts, self.attempt()],
+            "samples": flushed,
+        }
+        write_json(self.folder / RESUME, doc)
 
     def close(self, extra: dict) -> dict:
         self._flush()
@@ -71,9 +129,11 @@ class HiddenShardWriter:
             "payload": self.keep_payload,
             "num_samples": len(self.entries),
             **extra,
+            "attempts": [*self.attempts, self.attempt()],
             "samples": self.entries,
         }
         write_json(self.folder / MANIFEST, doc)
+        (self.folder / RESUME).unlink(missing_ok=True)
         return doc
 
 

@@ -187,6 +187,40 @@ def test_producers_answer_prompts_as_they_capture(tiny_target, tiny_target_dir, 
         assert all(margin < TIE for _, margin in row), row  # at most ties, never a divergence
 
 
+class Stop(Exception):
+    pass
+
+
+def test_a_stopped_extraction_resumes_after_its_last_shard(
+    tiny_target, tiny_target_dir, prepared, tmp_path
+):
+    """Stopped at the 10th sample with shards of 4: the rerun keeps 8, streams only the other
+    16, and the result is what one uninterrupted run writes."""
+    params = stream_params("extract.mode=offline", "extract.shard_size=4")
+    out = tmp_path / "hidden"
+
+    def stop_at_tenth(sample):
+        if sample.sample_id == 9:
+            raise Stop
+
+    with pytest.raises(Stop):
+        extract(
+            params,
+            target_dir=tiny_target_dir,
+            shards_dir=prepared,
+            out_dir=out,
+            progress=False,
+            on_sample=stop_at_tenth,
+        )
+    metrics = extract(
+        params, target_dir=tiny_target_dir, shards_dir=prepared, out_dir=out, progress=False
+    )
+    assert metrics["resumed_samples"] == 8 and metrics["samples_received"] == NUM - 8
+    assert metrics["lost"] == 0 and metrics["attempts"] == 2
+    assert metrics["tokens"] > metrics["tokens_this_run"] > 0
+    assert_exact(list(iter_hidden(out)), expected_samples(tiny_target, prepared, [0, 1]))
+
+
 def test_killed_producer_samples_are_reassigned(tiny_target, tiny_target_dir, prepared):
     def kill_first(n, stream):
         # Once both producers have joined (a slow starter could otherwise miss the stream).
