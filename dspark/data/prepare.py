@@ -16,6 +16,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -149,6 +150,17 @@ def prepare(
 
     stats = dict.fromkeys(("skipped_eval_overlap", "skipped_duplicate", "skipped_too_long"), 0)
     candidates = _candidates(params, target, banned, stats)
+    if cfg.num_samples and cfg.token_budget is None:
+        # Count before generating: a shortfall found after hours of answers would waste them.
+        wanted = list(islice(candidates, cfg.num_samples))
+        if len(wanted) < cfg.num_samples:
+            raise DataError(
+                f"prepare.num_samples: {cfg.num_samples} asked, data.train_sources give "
+                f"{len(wanted)} usable prompts ({stats['skipped_too_long']} longer than "
+                f"prepare.max_prompt_tokens, {stats['skipped_duplicate']} duplicates, "
+                f"{stats['skipped_eval_overlap']} in the eval set)"
+            )
+        candidates = iter(wanted)
     events = EventLog(paths.events)
     fingerprint = _fingerprint(params, paths.target)
     entries: list[dict] = []

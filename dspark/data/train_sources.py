@@ -68,9 +68,13 @@ def _selected(seed: int, prompt_id: str) -> bool:
 
 
 def iter_training_prompts(sources: list[str], seed: int) -> Iterator[Prompt]:
-    """Prompts from each source in turn: 'sharegpt' or a path to a JSONL prompt file."""
+    """Prompts from each source in turn: 'sharegpt' or a path to a JSONL prompt file.
+
+    ShareGPT gives the seed's half of its records first and the other half after it, so a
+    small draw depends on the seed and a large one (the full profile's) can use every record."""
     for source in sources:
         if source == "sharegpt":
             yield from (p for p in iter_sharegpt() if _selected(seed, p.id))
+            yield from (p for p in iter_sharegpt() if not _selected(seed, p.id))
         else:
             yield from read_prompt_file(Path(source), categories=None)

@@ -130,5 +130,32 @@ def test_no_usable_prompts(tiny_target, tiny_target_dir, tmp_path):
     paths = PreparePaths(
         target=tiny_target_dir, shards=tmp_path / "s", eval_prompts=tmp_path / "e.jsonl"
     )
-    with pytest.raises(DataError, match="no usable training prompts"):
+    with pytest.raises(DataError, match="give 0 usable prompts"):
         prepare(params, tiny_target, paths, progress=False)
+
+
+def test_too_few_prompts_for_num_samples_fails_before_generating(
+    tiny_target, tiny_target_dir, tmp_path
+):
+    path = tmp_path / "t.jsonl"
+    lines = [{"category": "x", "prompt": f"Question {i}?"} for i in range(3)]
+    lines += [
+        {"category": "x", "prompt": "word " * 400},
+        {"category": "x", "prompt": "Question 0?"},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    params = load_params(
+        ROOT / "params.yaml",
+        profile="smoke",
+        overrides=[f"data.train_sources=[{path}]", "data.eval_counts={qa: 1}"],
+    )
+    paths = PreparePaths(
+        target=tiny_target_dir, shards=tmp_path / "s", eval_prompts=tmp_path / "e.jsonl"
+    )
+    message = (
+        r"prepare.num_samples: 8 asked, data.train_sources give 3 usable prompts \(1 longer "
+        r"than prepare.max_prompt_tokens, 1 duplicates, 0 in the eval set\)"
+    )
+    with pytest.raises(DataError, match=message):
+        prepare(params, tiny_target, paths, progress=False)
+    assert not list(paths.shards.glob("*.safetensors"))

@@ -5,7 +5,7 @@ import pytest
 from dspark.config import CATEGORIES, Params
 from dspark.data import eval_sources
 from dspark.data.prompts import content_hash
-from dspark.data.train_sources import iter_json_array, iter_sharegpt
+from dspark.data.train_sources import iter_json_array, iter_sharegpt, iter_training_prompts
 from dspark.errors import DataError
 
 
@@ -60,6 +60,20 @@ def test_truncated_json_array_yields_the_complete_records():
     text = json.dumps([{"a": 1}, {"a": 2}, {"a": 3}])
     assert list(iter_json_array(text[:-5])) == [{"a": 1}, {"a": 2}]
     assert list(iter_json_array(text)) == [{"a": 1}, {"a": 2}, {"a": 3}]
+
+
+def test_sharegpt_gives_the_seeds_half_first_then_every_other_record():
+    every = [p.id for p in iter_sharegpt()]
+    where = {pid: i for i, pid in enumerate(every)}
+    drawn = {}
+    for seed in (0, 1):
+        got = [p.id for p in iter_training_prompts(["sharegpt"], seed)]
+        assert sorted(got) == sorted(every)  # a large draw can use the whole corpus
+        order = [where[pid] for pid in got]
+        restarts = [i for i in range(1, len(order)) if order[i] < order[i - 1]]
+        assert len(restarts) == 1 and abs(restarts[0] - len(got) / 2) < len(got) / 10  # two halves
+        drawn[seed] = set(got[:500])
+    assert len(drawn[0] & drawn[1]) < 400  # which records come first depends on the seed
 
 
 def test_training_and_evaluation_prompts_never_overlap(default_eval):
