@@ -47,6 +47,9 @@ PosInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 Dtype = Literal["float32", "bfloat16", "float16"]
+# The trained drafts (dspark.drafts registers a kind under each name), and what evaluate decodes.
+Draft = Literal["dspark", "eagle3", "dflash"]
+Method = Literal["dspark", "eagle3", "dflash", "ngram", "none"]
 
 
 class Section(BaseModel):
@@ -277,6 +280,18 @@ class DSparkDraftConfig(Section):
         return self
 
 
+class DFlashDraftConfig(Section):
+    """DeepSpec's DFlash recipe: DSpark's backbone without the Markov and confidence heads,
+    trained on cross-entropy alone, slot k weighed exp(-k/gamma). Block size, mask token and
+    context layers are train.dspark's: the two drafts differ in the heads and the loss only."""
+
+    num_layers: PosInt = 1
+    max_anchors: PosInt = Field(512, description="anchors sampled per sequence")
+    gamma: Annotated[float, Field(gt=0.0)] = Field(4.0, description="slot k weighs exp(-k/gamma)")
+    output_scale: OutputScale = 1.0
+    optim: OptimConfig = OptimConfig()
+
+
 class Eagle3DraftConfig(Section):
     """DeepSpec's published EAGLE-3 recipe (one layer, lr 6e-4, 4% warmup, clip 1.0, step loss
     decay 0.8) with the forward-KL loss of SpecForge and speculators."""
@@ -306,11 +321,12 @@ MARKOV_ABLATION: MappingProxyType[str, MappingProxyType[str, Any]] = MappingProx
 
 
 class TrainConfig(Section):
-    drafts: list[Literal["dspark", "eagle3"]] = Field(
-        ["dspark", "eagle3"], min_length=1, description="drafts trained side by side"
+    drafts: list[Draft] = Field(
+        ["dspark", "eagle3", "dflash"], min_length=1, description="drafts trained side by side"
     )
     dspark: DSparkDraftConfig = DSparkDraftConfig()
     eagle3: Eagle3DraftConfig = Eagle3DraftConfig()
+    dflash: DFlashDraftConfig = DFlashDraftConfig()
     markov_ablation: bool = Field(
         False, description="also train DSpark with gated, rnn and no Markov head (rank 0)"
     )
@@ -318,6 +334,11 @@ class TrainConfig(Section):
         16384, description="reduced draft vocabulary from training token counts (None: full)"
     )
     epochs: PosInt = 1
+    max_steps: PosInt | None = Field(
+        None,
+        description="stop after this many optimizer steps, the learning-rate schedule spanning "
+        "them (a sweep point's budget on a large dataset); None: every epoch",
+    )
     batch_size: PosInt = Field(
         4, description="sequences per step: the global batch, split over the ranks"
     )
@@ -389,7 +410,7 @@ class LmEvalConfig(Section):
         5, description="GSM8K problems scored through lm-eval per method (0: skip)"
     )
     max_gen_toks: PosInt = 128
-    methods: list[Literal["dspark", "eagle3", "ngram", "none"]] = Field(
+    methods: list[Method] = Field(
         ["none", "dspark"], min_length=1, description="scored side by side; greedy, so equal"
     )
 
@@ -403,12 +424,13 @@ class EvalGoals(Section):
     dspark_over_ngram: Annotated[float, Field(gt=0.0)] = Field(
         1.5, description="DSpark's mean tau over the best n-gram window's, at least"
     )
+    dspark_over_dflash: Annotated[float, Field(gt=0.0)] = Field(
+        1.15, description="DSpark's mean tau over DFlash's, at least (the seed paper: +16-18%)"
+    )
 
 
 class EvaluateConfig(Section):
-    methods: list[Literal["dspark", "eagle3", "ngram", "none"]] = Field(
-        ["dspark", "eagle3", "ngram", "none"], min_length=1
-    )
+    methods: list[Method] = Field(["dspark", "eagle3", "dflash", "ngram", "none"], min_length=1)
     max_new_tokens: dict[Category, PosInt] = Field(
         default_factory=lambda: dict.fromkeys((*CATEGORIES, *LONG_CATEGORIES), 128),
         description="generation cap per category",
@@ -474,7 +496,7 @@ class ServeConfig(Section):
 
 
 # none_vllm: vLLM's own server (`make vllm-venv`) on the target alone, a reference for `none`.
-Mode = Literal["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive", "none_vllm"]
+Mode = Literal["none", "ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive", "none_vllm"]
 
 
 class BenchmarkGoals(Section):

@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from dspark.config import Params
-from dspark.decode.drafters import DSparkProposer, Eagle3Proposer
+from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
 from dspark.decode.proposers import NgramProposer, NoProposer, Proposer
 from dspark.errors import ConfigError, DataError
+from dspark.models.dflash import DFlashConfig, DFlashDraft
 from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.models.layers import DraftConfig
@@ -91,11 +92,12 @@ class DraftKind:
         return self.build(cfg, embed, tensors, where) if self.build else self.model(cfg, embed)
 
 
-def _dspark_model(cfg, embed, tensors, where: Path) -> DSparkDraft:
+def _block_model(cfg, embed, tensors, where: Path) -> DSparkDraft:
+    """DSpark or DFlash: the constructor takes the saved lm_head rows."""
     rows = tensors.get("lm_head.weight")
     if rows is None:
         raise DataError(f"{where}: lm_head.weight missing")
-    return DSparkDraft(cfg, embed, rows)
+    return DRAFT_KINDS.get(cfg.kind).model(cfg, embed, rows)
 
 
 @dataclass(frozen=True)
@@ -139,8 +141,9 @@ METHODS.register("none", lambda ctx: NoProposer())
 METHODS.register(
     "ngram", lambda ctx: NgramProposer(ctx.ngram_k, *ctx.ngram_window, ctx.target.vocab_size)
 )
-register_draft(DraftKind(DSparkConfig, DSparkDraft, DSparkProposer, _dspark_model))
+register_draft(DraftKind(DSparkConfig, DSparkDraft, DSparkProposer, _block_model))
 register_draft(DraftKind(Eagle3Config, Eagle3Draft, Eagle3Proposer))
+register_draft(DraftKind(DFlashConfig, DFlashDraft, DFlashProposer, _block_model))
 
 
 # --- building and loading ---------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""Export a trained DSpark draft in the speculators format (what speculators' DSparkDraftModel and
-vLLM's speculators loader read), and import such a folder back.
+"""Export the trained block drafts in the speculators format (what speculators' DSparkDraftModel
+and DFlash model and vLLM's speculators loader read), and import such a folder back.
 
 Field names and semantics follow speculators 0.9.0 (`DSparkSpeculatorConfig`, its DFlash base
-and `DraftVocabMixin`):
+`DFlashSpeculatorConfig`, and `DraftVocabMixin`); a DFlash folder is a DSpark one without the
+Markov and confidence fields, under its own type and architecture:
     aux_hidden_state_layer_ids  index into HF `hidden_states` (0 = embeddings), so our layer i
                                 (the output of decoder layer i) is id i+1
     sample_from_anchor          true: every slot of a block drafts (block_size tokens per step)
@@ -16,12 +17,14 @@ Weight names are the model's own: export is a copy.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
 
 from dspark.errors import DataError
-from dspark.io import atomic_dir, write_json
+from dspark.io import atomic_dir, ensure_writable_dir, write_json
+from dspark.models.dflash import DFlashConfig, DFlashDraft
 from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.layers import LayerShape
 from dspark.train.checkpoint import load_state, load_tensors, read_json, save_tensors
@@ -34,13 +37,21 @@ SPECULATORS_VERSION = "0.9.0"  # the release whose format this matches (and that
 # its DFlash base). They are speculators' defaults, not ours (train.dspark): an import must mean
 # what speculators would, even where the two disagree. tests/speculators checks them.
 SPECULATORS_DEFAULTS = {
-    "block_size": 8,
-    "draft_vocab_size": 32000,
-    "sample_from_anchor": True,
-    "markov_rank": 256,
-    "markov_head_type": "vanilla",
-    "enable_confidence_head": True,
-    "confidence_head_with_markov": True,
+    "dspark": {
+        "block_size": 8,
+        "draft_vocab_size": 32000,
+        "sample_from_anchor": True,
+        "markov_rank": 256,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+    },
+    "dflash": {"block_size": 8, "draft_vocab_size": 32000, "sample_from_anchor": False},
+}
+# speculators' type -> (its architecture, our config class and model)
+KINDS = {
+    "dspark": ("DSparkSpeculator", DSparkConfig, DSparkDraft),
+    "dflash": ("DFlashSpeculator", DFlashConfig, DFlashDraft),
 }
 
 
@@ -51,7 +62,8 @@ def speculators_config(
     dtype: str = "float32",
     verifier_local_path: str | None = None,
 ) -> dict:
-    """config.json for a DSpark draft of `cfg` over the verifier whose config.json is given.
+    """config.json for a DSpark or DFlash draft of `cfg` over the verifier whose config.json
+    is given.
 
     `verifier_path` is what speculators and `vllm serve FOLDER` load the verifier from (a public
     hub id where the target has one); `verifier_local_path`, the copy this run used, goes under
@@ -67,9 +79,19 @@ def speculators_config(
         layer_types=["full_attention"] * cfg.num_layers,
         tie_word_embeddings=False,
     )
+    heads = (
+        {
+            "markov_rank": cfg.markov_rank,
+            "markov_head_type": cfg.markov_head,
+            "enable_confidence_head": cfg.confidence_head,
+            "confidence_head_with_markov": cfg.confidence_with_markov,
+        }
+        if cfg.kind == "dspark"
+        else {}
+    )
     return {
-        "architectures": ["DSparkSpeculator"],
-        "speculators_model_type": "dspark",
+        "architectures": [KINDS[cfg.kind][0]],
+        "speculators_model_type": cfg.kind,
         "speculators_version": SPECULATORS_VERSION,
         "dtype": dtype,
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -79,13 +101,10 @@ def speculators_config(
         "mask_token_id": cfg.mask_token_id,
         "sliding_window_non_causal": False,
         "sample_from_anchor": True,
-        "markov_rank": cfg.markov_rank,
-        "markov_head_type": cfg.markov_head,
-        "enable_confidence_head": cfg.confidence_head,
-        "confidence_head_with_markov": cfg.confidence_with_markov,
+        **heads,
         "transformer_layer_config": layer_cfg,
         "speculators_config": {
-            "algorithm": "dspark",
+            "algorithm": cfg.kind,
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
@@ -138,20 +157,32 @@ def export_speculators(
 
 
 def import_speculators(folder: Path, embed: torch.nn.Embedding, lm_head: torch.nn.Module):
-    """A speculators DSpark folder -> (our DSparkDraft, draft_ids), exactly as exported."""
+    """A speculators DSpark or DFlash folder -> (our draft, draft_ids), exactly as exported."""
     folder = Path(folder)
     doc = read_json(folder / "config.json")
     where = folder / "config.json"
-    if doc.get("speculators_model_type") != "dspark":
-        raise DataError(f"{where}: speculators_model_type is not 'dspark'")
-    doc = {**SPECULATORS_DEFAULTS, **doc}
+    kind = doc.get("speculators_model_type")
+    if kind not in KINDS:
+        raise DataError(f"{where}: speculators_model_type is not one of {', '.join(KINDS)}")
+    _, config_cls, model_cls = KINDS[kind]
+    doc = {**SPECULATORS_DEFAULTS[kind], **doc}
     if doc["sample_from_anchor"] is False:
-        raise DataError(f"{where}: sample_from_anchor false (DFlash-style blocks) is not supported")
+        raise DataError(f"{where}: sample_from_anchor false (slot 0 not drafting) is not supported")
     try:
         layer_cfg = doc["transformer_layer_config"]
         shape = LayerShape.from_hf(layer_cfg)
         vocab = int(layer_cfg["vocab_size"])
-        cfg = DSparkConfig(
+        heads = (
+            {
+                "markov_rank": int(doc["markov_rank"]),
+                "markov_head": doc["markov_head_type"],
+                "confidence_head": bool(doc["enable_confidence_head"]),
+                "confidence_with_markov": bool(doc["confidence_head_with_markov"]),
+            }
+            if kind == "dspark"
+            else {}
+        )
+        cfg = config_cls(
             layer=shape,
             num_layers=int(layer_cfg["num_hidden_layers"]),
             block_size=int(doc["block_size"]),
@@ -159,10 +190,7 @@ def import_speculators(folder: Path, embed: torch.nn.Embedding, lm_head: torch.n
             vocab_size=vocab,
             draft_vocab_size=int(doc["draft_vocab_size"]),
             mask_token_id=int(doc["mask_token_id"]),
-            markov_rank=int(doc["markov_rank"]),
-            markov_head=doc["markov_head_type"],
-            confidence_head=bool(doc["enable_confidence_head"]),
-            confidence_with_markov=bool(doc["confidence_head_with_markov"]),
+            **heads,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise DataError(f"{where}: malformed speculators config ({e})") from None
@@ -182,7 +210,7 @@ def import_speculators(folder: Path, embed: torch.nn.Embedding, lm_head: torch.n
         draft_ids = torch.arange(cfg.vocab_size)
         tensors["lm_head.weight"] = lm_head.weight.detach().clone()
     try:
-        model = DSparkDraft(cfg, embed, tensors["lm_head.weight"])
+        model = model_cls(cfg, embed, tensors["lm_head.weight"])
     except ValueError as e:  # a combination the model refuses, e.g. confidence over rank 0
         raise DataError(f"{where}: {e}") from None
     load_state(model, tensors, folder / "model.safetensors")
@@ -223,32 +251,44 @@ def verifier_names(
 
 
 def export_stage(params, *, drafts_dir: Path, target_dir: Path, out_dir: Path) -> dict:
-    """The export stage: the trained DSpark draft as a speculators folder, re-imported and
-    checked against the original."""
+    """The export stage: each trained block draft (DSpark; DFlash where the profile trains it)
+    as a speculators folder `out_dir/<kind>`, re-imported and checked against the original.
+    The metrics' top level is DSpark's; DFlash's sit under `dflash`."""
     from dspark.drafts import load_draft
     from dspark.models.target import load_target_for, read_manifest
 
     target = load_target_for(params.target, target_dir)
-    model, draft_ids = load_draft(Path(drafts_dir) / "dspark", target.embed)
     info = read_manifest(target_dir)
     verifier, local = verifier_names(info, target_dir, params.export.verifier_name_or_path)
-    doc = export_speculators(
-        model,
-        draft_ids,
-        out_dir,
-        verifier_config=target.model.config.to_dict(),
-        verifier_path=verifier,
-        verifier_local_path=local,
-    )
-    back, back_ids = import_speculators(out_dir, target.embed, target.lm_head)
-    return {
+    kinds = [k for k in KINDS if k == "dspark" or k in params.train.drafts]
+    out_dir = ensure_writable_dir(Path(out_dir))
+    for old in out_dir.iterdir():  # a folder of a draft this profile no longer trains
+        if old.name not in kinds:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    result: dict = {
         "format": params.export.format,
         "speculators_version": SPECULATORS_VERSION,
         "verifier": verifier,
         "verifier_local_path": local,
-        "draft_vocab_size": doc["draft_vocab_size"],
-        "speculative_tokens": doc["block_size"],
-        "bytes": sum(f.stat().st_size for f in Path(out_dir).iterdir()),
-        "roundtrip_vocab_equal": bool(torch.equal(back_ids, draft_ids)),
-        "roundtrip_max_abs_diff": roundtrip_diff(model, back),
     }
+    for kind in kinds:
+        model, draft_ids = load_draft(Path(drafts_dir) / kind, target.embed)
+        folder = out_dir / kind
+        doc = export_speculators(
+            model,
+            draft_ids,
+            folder,
+            verifier_config=target.model.config.to_dict(),
+            verifier_path=verifier,
+            verifier_local_path=local,
+        )
+        back, back_ids = import_speculators(folder, target.embed, target.lm_head)
+        checked = {
+            "draft_vocab_size": doc["draft_vocab_size"],
+            "speculative_tokens": doc["block_size"],
+            "bytes": sum(f.stat().st_size for f in folder.iterdir()),
+            "roundtrip_vocab_equal": bool(torch.equal(back_ids, draft_ids)),
+            "roundtrip_max_abs_diff": roundtrip_diff(model, back),
+        }
+        result.update(checked) if kind == "dspark" else result.update({kind: checked})
+    return result

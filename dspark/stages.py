@@ -29,7 +29,7 @@ RESOLVED_DIR = "logs/resolved"
 HIDDEN = "artifacts/hidden"
 DRAFTS = "artifacts/drafts"
 TRAIN_CHECKPOINT = "artifacts/checkpoints/train"
-EXPORT_DIR = "artifacts/export/dspark"
+EXPORT_DIR = "artifacts/export"  # one speculators folder per block draft
 TRAIN_CURVES = "plots/train_curves.csv"
 TRAIN_CURVES_PNG = "plots/train_curves.png"
 RUN_SUMMARY = "metrics/run.json"
@@ -284,20 +284,20 @@ STAGES: tuple[Stage, ...] = (
         stop_grace_s=300.0,
         plots=(Plot(TRAIN_CURVES, x="tokens", y="tau_sim"), Plot(TRAIN_CURVES_PNG)),
         artifacts=(TRAIN_CURVES, TRAIN_CURVES_PNG),
-        children=("dspark", "eagle3", *MARKOV_ABLATION),
+        children=("dspark", "eagle3", "dflash", *MARKOV_ABLATION),
         register=("dspark", f"{DRAFTS}/dspark", "dspark-draft"),
     ),
     Stage(
         name="export",
-        help="write the DSpark draft in the speculators format and check it re-imports exactly",
+        help="write the DSpark (and DFlash) drafts in the speculators format, checked on re-import",
         run=_export,
-        params=("target", "export"),
+        params=("target", "export", "train.drafts"),
         inputs=(
             TARGET_DIR,
             DRAFTS,
         ),
         outs=(EXPORT_DIR,),
-        artifacts=(f"{EXPORT_DIR}/config.json",),
+        artifacts=(f"{EXPORT_DIR}/dspark/config.json",),
     ),
     Stage(
         name="evaluate",
@@ -320,7 +320,7 @@ STAGES: tuple[Stage, ...] = (
             Plot("plots/eval.png"),
         ),
         artifacts=(EVAL_REPORT, "plots/eval.png", "plots/eval_tau.csv"),
-        children=("dspark", "eagle3", "ngram", "none"),
+        children=("dspark", "eagle3", "dflash", "ngram", "none"),
     ),
     Stage(
         name="benchmark",
@@ -336,7 +336,15 @@ STAGES: tuple[Stage, ...] = (
         report=BENCH_REPORT,
         plots=(Plot("plots/bench.csv", x="concurrency", y="tok_s"), Plot("plots/bench.png")),
         artifacts=(BENCH_REPORT, "plots/bench.png", "plots/bench.csv"),
-        children=("none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive", "none_vllm"),
+        children=(
+            "none",
+            "ngram",
+            "eagle3",
+            "dflash",
+            "dspark_fixed",
+            "dspark_adaptive",
+            "none_vllm",
+        ),
     ),
 )
 

@@ -1,9 +1,10 @@
 """The trained drafts as proposers, each with its own static cache of the target's features.
 
-DSpark: the context is the fused features of every position before the anchor; each layer's keys
-and values of it depend on nothing else, so they are cached as positions become final. One
-backbone pass drafts a whole block; the Markov head then runs slot by slot, each slot conditioned
-on the token actually chosen for the slot before it, with a confidence per slot.
+DSpark (and DFlash, its backbone alone): the context is the fused features of every position
+before the anchor; each layer's keys and values of it depend on nothing else, so they are cached
+as positions become final. One backbone pass drafts a whole block; DSpark's Markov head then runs
+slot by slot, each slot conditioned on the token actually chosen for the slot before it, with a
+confidence per slot.
 
 EAGLE-3: index i of its cache holds the keys of [embed(x_i); feature f_{i-1}] (f_{-1} = 0), as
 step 0 of training-time test builds them. Drafting starts from step 0's output at the anchor and
@@ -151,6 +152,13 @@ class DSparkProposer(DraftProposer):
             None if sampling.greedy else torch.stack(qs, 1),
             torch.stack(confs, 1) if confs else None,
         )
+
+
+class DFlashProposer(DSparkProposer):
+    """DSpark's proposer over a draft without heads: one backbone pass, each slot's argmax (or
+    sample) on its own, a fixed block per step."""
+
+    name = "dflash"
 
 
 class Eagle3Proposer(DraftProposer):

@@ -188,7 +188,7 @@ def report_markdown(result: dict) -> str:
     if "markov_ablation" in result:
         abl = ", ".join(f"{v} {d['mean_tau']}" for v, d in result["markov_ablation"].items())
         lines.append(f"Markov ablation, mean tau: {abl}.")
-    for rival in ("eagle3", "ngram"):
+    for rival in ("eagle3", "dflash", "ngram"):
         behind = [
             c
             for c, row in result["categories"].items()

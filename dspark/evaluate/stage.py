@@ -597,6 +597,7 @@ def goals(pairs: dict[str, dict], targets: EvalGoals) -> dict:
     for name, pair, goal in (
         ("dspark_over_eagle3", "dspark/eagle3", targets.dspark_over_eagle3),
         ("dspark_over_ngram", "dspark/ngram", targets.dspark_over_ngram),
+        ("dspark_over_dflash", "dspark/dflash", targets.dspark_over_dflash),
     ):
         if pair in pairs:
             p = pairs[pair]

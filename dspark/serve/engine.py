@@ -11,6 +11,7 @@ Modes (what drafts, and how many drafts each row sends to verification):
     none             the target alone (k = 0)
     ngram            prompt lookup
     eagle3           the EAGLE-3 draft, its trained depth
+    dflash           the DFlash draft, its whole block per row
     dspark_fixed     the DSpark draft, k drafts per row (k in params)
     dspark_adaptive  the DSpark draft, each step's budget and split from its confidences
                      (dspark.serve.scheduler), against the verify cost profiled at start
@@ -30,7 +31,7 @@ from dspark.decode.engine import SpecDecoder, keep
 from dspark.decode.sampling import GREEDY, Sampling
 from dspark.serve.scheduler import AdaptiveScheduler, VerifyCost
 
-MODES = ("none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive")
+MODES = ("none", "ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dspark.evaluate.stats import pooled_tau, tau_interval
 OFFLINE_METHOD = {
     "ngram": "ngram",
     "eagle3": "eagle3",
+    "dflash": "dflash",
     "dspark_fixed": "dspark",
     "dspark_adaptive": "dspark",
 }

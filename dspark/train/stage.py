@@ -30,6 +30,7 @@ from dspark.errors import ConfigError, DataError
 from dspark.extract.capture import resolve_aux_layers
 from dspark.io import atomic_dir, atomic_path
 from dspark.metrics import EventLog
+from dspark.models.dflash import DFlashConfig, DFlashDraft
 from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.models.layers import LayerShape
@@ -97,14 +98,18 @@ def build_runs(
     embed = target.embed.to(device)
     rows = target.lm_head.weight.detach()[draft_ids].clone()
     d = t.dspark
-    base = DSparkConfig(
+    # What the two block drafts share: DSpark over DFlash then measures the heads alone.
+    block = dict(
         layer=shape,
-        num_layers=d.num_layers,
         block_size=d.block_size,
         aux_layers=tuple(aux_layers),
         vocab_size=target.vocab_size,
         draft_vocab_size=int(draft_ids.numel()),
         mask_token_id=mask_id,
+    )
+    base = DSparkConfig(
+        num_layers=d.num_layers,
+        **block,
         markov_rank=d.markov_rank,
         markov_head=d.markov_head,
         confidence_head=d.confidence_head,
@@ -140,6 +145,25 @@ def build_runs(
                 # Without a Markov head the confidence head has no Markov input to see.
                 with_markov = base.confidence_with_markov and cfg.markov_rank > 0
                 add_dspark(name, replace(cfg, confidence_with_markov=with_markov))
+    if "dflash" in t.drafts:
+        f = t.dflash
+        cfg = DFlashConfig(num_layers=f.num_layers, **block)
+        torch.manual_seed(t.seed)
+        model = DFlashDraft(cfg, embed, rows)
+        with torch.no_grad():
+            model.norm.weight.copy_(target.norm.weight * f.output_scale)
+        model.to(device)
+        weights = LossWeights(ce=1.0, tv=0.0, gamma=f.gamma)  # its authors' loss: CE alone
+        runs.append(
+            DraftRun(
+                name="dflash",
+                model=model,
+                objective=DSparkObjective(weights, f.max_anchors),
+                eval_objective=DSparkObjective(weights, None),
+                optim=f.optim,
+                slots=cfg.block_size,
+            )
+        )
     if "eagle3" in t.drafts:
         e = t.eagle3
         cfg = Eagle3Config(

@@ -54,6 +54,19 @@ def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def cut(plans: list[list[list[int]]], max_steps: int | None) -> list[list[list[int]]]:
+    """The epochs' batch plans up to `max_steps` batches in all (None: all of them)."""
+    if max_steps is None:
+        return plans
+    out, left = [], max_steps
+    for plan in plans:
+        if left <= 0:
+            break
+        out.append(plan[:left])
+        left -= len(out[-1])
+    return out
+
+
 def settle(device: torch.device) -> None:
     """Wait for the work queued on `device`, so that a timer read next counts it (CUDA runs
     asynchronously: unsettled, one draft's optimizer step would be timed as the next's)."""
@@ -201,10 +214,13 @@ class Trainer:
 
     def fit(self, open_source: SourceFactory, train_ids: list[int], eval_ids: list[int]) -> dict:
         c = self.cfg
-        plans = [
-            epoch_plan(train_ids, e, c.seed, c.batch_size, c.shuffle_window)
-            for e in range(c.epochs)
-        ]
+        plans = cut(
+            [
+                epoch_plan(train_ids, e, c.seed, c.batch_size, c.shuffle_window)
+                for e in range(c.epochs)
+            ],
+            c.max_steps,
+        )
         total = sum(len(p) for p in plans)
         eval_every = max(1, total // c.eval_points)
         epoch, start = self._resume()  # every rank loads the checkpoint rank 0 wrote
@@ -217,7 +233,7 @@ class Trainer:
         )
         self._t0 = time.perf_counter()
         self._loop_before = self.loop_s
-        for e in range(epoch, c.epochs):
+        for e in range(epoch, len(plans)):
             plan = plans[e]
             first = start if e == epoch else 0
             need = [i for b in plan[first:] for i in self.share(b)]

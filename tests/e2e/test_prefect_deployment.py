@@ -115,14 +115,17 @@ def check_stage_outputs(repo, on_netns: bool) -> None:
     train = json.loads((repo / "metrics" / "train.json").read_text())
     assert train["source"] == "shards" and train["steps"] > 0
     assert train["draft_vocab_coverage"] > 0.9  # counted on the answers the producers made
-    assert {"dspark", "eagle3", "goal"} <= train.keys()
+    assert {"dspark", "eagle3", "dflash", "goal"} <= train.keys()
     assert len(train["dspark"]["pos_accept"]) == 8 and train["dspark"]["curve"]
     export = json.loads((repo / "metrics" / "export.json").read_text())
     assert export["roundtrip_max_abs_diff"] == 0.0 and export["roundtrip_vocab_equal"]
     assert (repo / "artifacts" / "export" / "dspark" / "config.json").is_file()
+    assert export["dflash"]["roundtrip_max_abs_diff"] == 0.0  # speculators' DFlash format
+    assert (repo / "artifacts" / "export" / "dflash" / "config.json").is_file()
     ev = json.loads((repo / "metrics" / "eval.json").read_text())
     assert ev["lossless_mismatches"] == 0 and ev["lossless"]["checked"] > 0
-    assert set(ev["mean"]) == {"dspark", "eagle3", "ngram", "none"} and ev["mean"]["none"] == 1.0
+    assert set(ev["mean"]) == {"dspark", "eagle3", "dflash", "ngram", "none"}
+    assert ev["mean"]["none"] == 1.0
     assert ev["quality"]["identical_scores"] and "sampling" in ev
     assert (repo / "metrics" / "eval_report.md").is_file()
     assert (repo / "plots" / "eval.png").is_file()
@@ -178,7 +181,7 @@ def test_deployment_runs_the_chain_and_everything_agrees(repo, served):
     # DSpark draft in the model registry.
     train = next(c for c in children if c.data.tags["stage"] == "train")
     drafts = [r for r in all_runs if r.data.tags.get("mlflow.parentRunId") == train.info.run_id]
-    assert {r.data.tags["draft"] for r in drafts} == {"dspark", "eagle3"}
+    assert {r.data.tags["draft"] for r in drafts} == {"dspark", "eagle3", "dflash"}
     for r in drafts:
         assert r.data.tags["stage"] == "train"
         assert {"tau_sim", "eval_tau_sim", "final.tau_sim", "final.wall_s"} <= r.data.metrics.keys()
@@ -190,7 +193,13 @@ def test_deployment_runs_the_chain_and_everything_agrees(repo, served):
     # The evaluation: one child run per method under the evaluate stage's run.
     evaluate = next(c for c in children if c.data.tags["stage"] == "evaluate")
     methods = [r for r in all_runs if r.data.tags.get("mlflow.parentRunId") == evaluate.info.run_id]
-    assert {r.data.tags["draft"] for r in methods} == {"dspark", "eagle3", "ngram", "none"}
+    assert {r.data.tags["draft"] for r in methods} == {
+        "dspark",
+        "eagle3",
+        "dflash",
+        "ngram",
+        "none",
+    }
     for r in methods:
         assert "final.tau" in r.data.metrics and "tau_math_reasoning" in r.data.metrics
     # The benchmark: one child run per serving mode, its figures per concurrency.

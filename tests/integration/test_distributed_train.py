@@ -126,7 +126,7 @@ def test_two_ranks_train_every_draft_as_one_process_does(tiny_target_dir, data, 
     assert two["world_size"] == 2 and two["steps"] == one["steps"] == 6
     assert two["tokens"] == one["tokens"]
     got, want = drafts(paths.drafts), drafts(tmp_path / "1" / "drafts")
-    assert set(got) == {"dspark", "dspark_gated", "dspark_rnn", "dspark_rank0", "eagle3"}
+    assert set(got) == {"dspark", "dspark_gated", "dspark_rnn", "dspark_rank0", "dflash", "eagle3"}
     for name in want:
         assert_close(got[name], want[name], name)
     for name in ("dspark", "eagle3"):

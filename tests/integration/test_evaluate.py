@@ -19,7 +19,7 @@ from dspark.io import atomic_dir
 from dspark.models.dspark import DSparkDraft
 from dspark.train.checkpoint import save_draft
 from tests.conftest import ROOT, tool_env
-from tests.unit.test_spec_decode import tiny_drafts
+from tests.unit.test_spec_decode import tiny_drafts, trained_drafts
 
 PROMPTS = [
     {"id": "m", "category": "math_reasoning", "prompt": "What is 3 + 4? Then add 5."},
@@ -32,10 +32,13 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def drafts(tiny_target, tmp_path_factory):
     folder = tmp_path_factory.mktemp("drafts")
-    for name, (model, ids) in zip(("dspark", "eagle3"), tiny_drafts(tiny_target), strict=True):
+    for name, (model, ids) in trained_drafts(tiny_target).items():
         with atomic_dir(folder / name) as tmp:
             save_draft(tmp, model, ids, {})
     return folder
+
+
+METHODS = ("dspark", "eagle3", "dflash", "ngram", "none")  # the smoke profile's
 
 
 def params(*overrides):
@@ -86,20 +89,20 @@ def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
     assert result["resumed_decodes"] == 0
     assert result["prompts"] == {"math_reasoning": 2, "writing": 1, "long_context": 1}
     for cat in result["prompts"]:
-        for m in ("dspark", "eagle3", "ngram", "none"):
+        for m in METHODS:
             assert result["categories"][cat][m]["tau"] >= 1.0
     assert result["categories"]["math_reasoning"]["none"]["tau"] == 1.0
     categories = result["categories"].values()
     assert result["lossless_mismatches"] == 0
     # Every prompt's recorded path against transformers', position by position; the three
-    # prompts of the nine categories decoded live by the 4 methods, output by output.
+    # prompts of the nine categories decoded live by the 5 methods, output by output.
     assert result["lossless"]["positions"] == sum(c["none"]["tokens"] for c in categories)
-    assert result["lossless"]["checked"] == 3 * 4
+    assert result["lossless"]["checked"] == 3 * len(METHODS)
     assert sorted(result["live_prompt_ids"]) == ["m", "m2", "w"]
     check = result["replay_check"]
-    assert check["decodes"] == 12 and check["same"] == 12, check
+    assert check["decodes"] == check["same"] == 3 * len(METHODS), check
     assert tuple(result["ngram_window"]) in {(5, 5), (1, 3)}
-    assert set(result["sampling"]["mean"]) == {"dspark", "eagle3", "ngram", "none"}
+    assert set(result["sampling"]["mean"]) == set(METHODS)
     assert result["calibration"]["n"] > 0 and 0 <= result["calibration"]["ece"] <= 1
     q = result["quality"]
     assert q["identical_outputs"] and q["identical_scores"]
@@ -213,8 +216,8 @@ def test_a_batch_decodes_each_prompt_as_it_decodes_alone(tiny_target_dir, drafts
     alone, together = run(1), run(4)
     assert alone.keys() == together.keys()
     decodes = [k for k in alone if k.endswith(("|greedy", "|replay"))]
-    # 4 prompts replayed by 3 methods and 2 n-gram windows; 3 of them decoded live by 4
-    assert len(decodes) == 4 * 5 + 3 * 4
+    # 4 prompts replayed by 4 methods and 2 n-gram windows; 3 of them decoded live by 5
+    assert len(decodes) == 4 * (len(METHODS) - 1 + 2) + 3 * len(METHODS)
     for key in decodes:
         a, b = alone[key]["trace"], together[key]["trace"]
         assert (a["tokens"], a["accepted"], a["emitted"]) == (

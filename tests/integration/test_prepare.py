@@ -119,17 +119,23 @@ def test_sampled_generation_is_reproducible(tiny_target, tiny_target_dir, tmp_pa
     assert responses("greedy") != a
 
 
-def test_no_usable_prompts(tiny_target, tiny_target_dir, tmp_path):
-    path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps({"category": "x", "prompt": "word " * 400}) + "\n")
+def from_prompt_file(path, target_dir, tmp_path):
+    """Smoke params training on the prompt file `path`, and where prepare writes."""
     params = load_params(
         ROOT / "params.yaml",
         profile="smoke",
         overrides=[f"data.train_sources=[{path}]", "data.eval_counts={qa: 1}"],
     )
     paths = PreparePaths(
-        target=tiny_target_dir, shards=tmp_path / "s", eval_prompts=tmp_path / "e.jsonl"
+        target=target_dir, shards=tmp_path / "s", eval_prompts=tmp_path / "e.jsonl"
     )
+    return params, paths
+
+
+def test_no_usable_prompts(tiny_target, tiny_target_dir, tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"category": "x", "prompt": "word " * 400}) + "\n")
+    params, paths = from_prompt_file(path, tiny_target_dir, tmp_path)
     with pytest.raises(DataError, match="give 0 usable prompts"):
         prepare(params, tiny_target, paths, progress=False)
 
@@ -144,14 +150,7 @@ def test_too_few_prompts_for_num_samples_fails_before_generating(
         {"category": "x", "prompt": "Question 0?"},
     ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    params = load_params(
-        ROOT / "params.yaml",
-        profile="smoke",
-        overrides=[f"data.train_sources=[{path}]", "data.eval_counts={qa: 1}"],
-    )
-    paths = PreparePaths(
-        target=tiny_target_dir, shards=tmp_path / "s", eval_prompts=tmp_path / "e.jsonl"
-    )
+    params, paths = from_prompt_file(path, tiny_target_dir, tmp_path)
     message = (
         r"prepare.num_samples: 8 asked, data.train_sources give 3 usable prompts \(1 longer "
         r"than prepare.max_prompt_tokens, 1 duplicates, 0 in the eval set\)"

@@ -21,7 +21,7 @@ from dspark.io import atomic_dir
 from dspark.serve.bench import BenchPaths, benchmark
 from dspark.train.checkpoint import save_draft
 from tests.conftest import ROOT
-from tests.unit.test_spec_decode import tiny_drafts
+from tests.unit.test_spec_decode import trained_drafts
 
 PROMPT = [1, 20, 30, 40, 50, 60, 70, 80]
 
@@ -32,7 +32,7 @@ def workdir(tiny_target, tiny_target_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     (root / "artifacts").mkdir()
     (root / "artifacts" / "target").symlink_to(tiny_target_dir)
-    for name, (model, ids) in zip(("dspark", "eagle3"), tiny_drafts(tiny_target), strict=True):
+    for name, (model, ids) in trained_drafts(tiny_target).items():
         with atomic_dir(root / "artifacts" / "drafts" / name) as tmp:
             save_draft(tmp, model, ids, {})
     return root

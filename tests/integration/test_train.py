@@ -313,6 +313,7 @@ def test_the_markov_ablation_trains_every_variant_beside_the_main_drafts(
         "dspark_gated",
         "dspark_rnn",
         "dspark_rank0",
+        "dflash",
         "eagle3",
     ]
     cfgs = {r.name: r.model.cfg for r in runs}
@@ -327,8 +328,8 @@ def test_the_markov_ablation_trains_every_variant_beside_the_main_drafts(
         run.last_eval = {"tau_sim": 1.5 + i / 10, "pos_accept": [0.1] * 4, "loss": 1.0}
     out = summarize(runs, tokens=100)
     assert set(out["markov_ablation"]) == {"vanilla", "gated", "rnn", "rank0"}
-    assert out["markov_ablation"]["rank0"]["tau_sim"] == 1.8
-    assert out["goal"]["eagle3_final_tau_sim"] == 1.9 and out["goal"]["met"] is False
+    assert out["markov_ablation"]["rank0"]["tau_sim"] == 1.8  # runs[3], dflash is runs[4]
+    assert out["goal"]["eagle3_final_tau_sim"] == 2.0 and out["goal"]["met"] is False
 
 
 def test_every_draft_tensor_lands_on_the_training_device(tiny_target_dir, smoke_params):
@@ -346,9 +347,28 @@ def test_every_draft_tensor_lands_on_the_training_device(tiny_target_dir, smoke_
         "dspark_gated",
         "dspark_rnn",
         "dspark_rank0",
+        "dflash",
         "eagle3",
     }
     for run in runs:
         tensors = [*run.model.parameters(), *run.model.buffers(), run.model.embed.weight]
         assert {t.device for t in tensors} == {meta}, run.name
         assert all(p.device == meta for p in run.optimizer.param_groups[0]["params"]), run.name
+
+
+def test_dflash_is_dsparks_backbone_without_heads_trained_on_ce_alone(
+    smoke_params, tiny_target, samples
+):
+    params = tiny_params(smoke_params)
+    draft_ids = build_draft_ids(count_tokens(samples, tiny_target.vocab_size), 256)
+    runs = {r.name: r for r in build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)}
+    dspark, dflash = runs["dspark"], runs["dflash"]
+    assert dflash.model.cfg.kind == "dflash"
+    assert dflash.model.markov_head is None and dflash.model.confidence_head is None
+    for field in ("block_size", "mask_token_id", "aux_layers", "draft_vocab_size"):
+        assert getattr(dflash.model.cfg, field) == getattr(dspark.model.cfg, field), field
+    w = dflash.objective.weights
+    assert (w.ce, w.tv, w.kl, w.confidence, w.gamma) == (1.0, 0.0, 0.0, 0.0, 4.0)
+    assert dflash.objective.max_anchors == params.train.dflash.max_anchors
+    shared = {k for k in dspark.model.state_dict() if not k.startswith(("markov", "confidence"))}
+    assert set(dflash.model.state_dict()) == shared  # the same backbone, nothing else

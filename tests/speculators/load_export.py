@@ -1,5 +1,6 @@
-"""Run inside the speculators venv (it cannot import dspark): load an exported DSpark folder with
-speculators' own DSparkDraftModel and write its logits for the given inputs.
+"""Run inside the speculators venv (it cannot import dspark): load an exported DSpark or DFlash
+folder with speculators' own DSparkDraftModel or DFlashDraftModel (by the folder's
+speculators_model_type) and write its logits for the given inputs.
 
     python load_export.py EXPORT_DIR INPUTS.safetensors OUT.safetensors
 
@@ -20,17 +21,25 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
 from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+
+KINDS = {
+    "dspark": (DSparkSpeculatorConfig, DSparkDraftModel),
+    "dflash": (DFlashSpeculatorConfig, DFlashDraftModel),
+}
 
 
 def main(folder: str, inputs: str, out: str) -> None:
     x = load_file(inputs)
-    cfg = DSparkSpeculatorConfig.from_pretrained(folder)
+    doc = json.loads((Path(folder) / "config.json").read_text())
+    config_cls, model_cls = KINDS[doc["speculators_model_type"]]
+    cfg = config_cls.from_pretrained(folder)
     cfg.transformer_layer_config._attn_implementation = "eager"  # CPU: no flex attention
-    local = json.loads((Path(folder) / "config.json").read_text()).get("dspark", {})
+    local = doc.get("dspark", {})
     if local.get("verifier_local_path"):
         cfg.speculators_config.verifier.name_or_path = local["verifier_local_path"]
-    model = DSparkDraftModel.from_pretrained(folder, config=cfg).eval()
+    model = model_cls.from_pretrained(folder, config=cfg).eval()
     ids, aux, anchors = x["input_ids"], x["aux"], x["anchors"]
     t = ids.shape[1]
     n, b = anchors.numel(), model.block_size
@@ -50,13 +59,13 @@ def main(folder: str, inputs: str, out: str) -> None:
         hidden = hidden.view(n, b, -1)
         logits = logits.view(n, b, -1)
         tensors = {"logits": logits}
-        if model.markov_head is not None:
+        if getattr(model, "markov_head", None) is not None:
             emb = model.markov_head.prev_embeddings(prev)
             logits = logits + model.markov_head.block_bias(
                 prev_token_ids=prev, hidden_states=hidden, prev_emb=emb
             )
             tensors["logits"] = logits
-        if model.confidence_head is not None:
+        if getattr(model, "confidence_head", None) is not None:
             feats = hidden
             if cfg.confidence_head_with_markov:
                 feats = torch.cat([hidden, model.markov_head.prev_embeddings(prev)], dim=-1)

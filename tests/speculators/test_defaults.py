@@ -1,5 +1,5 @@
 """What our importer assumes for a key a speculators config.json omits is what speculators 0.9.0
-itself assumes: read from its DSparkSpeculatorConfig in its own venv."""
+itself assumes: read from its DSparkSpeculatorConfig and DFlashSpeculatorConfig in its own venv."""
 
 import json
 import os
@@ -16,18 +16,30 @@ pytestmark = pytest.mark.slow
 DUMP = """
 import json, sys
 from importlib.metadata import version
+from speculators.models.dflash import DFlashSpeculatorConfig
 from speculators.models.dspark import DSparkSpeculatorConfig
-fields = DSparkSpeculatorConfig.model_fields
+classes = {"dspark": DSparkSpeculatorConfig, "dflash": DFlashSpeculatorConfig}
+wanted = json.loads(sys.argv[1])
 print(json.dumps({
     "version": version("speculators"),
-    "defaults": {k: fields[k].get_default(call_default_factory=True) for k in sys.argv[1:]},
+    "defaults": {
+        kind: {
+            k: classes[kind].model_fields[k].get_default(call_default_factory=True) for k in keys
+        }
+        for kind, keys in wanted.items()
+    },
 }))
 """
 
 
 def test_our_import_defaults_are_speculators_own(spec_python):  # noqa: F811
     out = subprocess.run(
-        [str(SPEC_PY), "-c", DUMP, *SPECULATORS_DEFAULTS],
+        [
+            str(SPEC_PY),
+            "-c",
+            DUMP,
+            json.dumps({k: list(v) for k, v in SPECULATORS_DEFAULTS.items()}),
+        ],
         capture_output=True,
         text=True,
         check=True,

@@ -1,5 +1,5 @@
-"""Our speculators export, loaded by speculators 0.9.0's own DSparkDraftModel (in its own venv,
-`make speculators-venv`), gives our logits and confidences."""
+"""Our speculators exports, loaded by speculators 0.9.0's own DSparkDraftModel and DFlashDraftModel
+(in its own venv, `make speculators-venv`), give our logits and confidences."""
 
 import os
 import subprocess
@@ -31,13 +31,20 @@ def spec_python() -> Path:
 
 
 @pytest.mark.parametrize(
-    "variant,rank,reduced", [("vanilla", 16, True), ("gated", 16, True), ("rnn", 8, False)]
+    "kind,variant,rank,reduced",
+    [
+        ("dspark", "vanilla", 16, True),
+        ("dspark", "gated", 16, True),
+        ("dspark", "rnn", 8, False),
+        ("dflash", "vanilla", 16, True),  # no heads: rank and variant do not apply
+    ],
 )
 def test_speculators_loads_our_export_with_our_logits(
-    spec_python, smoke_params, tiny_target, tiny_target_dir, tmp_path, variant, rank, reduced
+    spec_python, smoke_params, tiny_target, tiny_target_dir, tmp_path, kind, variant, rank, reduced
 ):
     params = tiny_params(smoke_params)
     tree = params.model_dump()
+    tree["train"]["drafts"] = [kind]
     tree["train"]["dspark"].update(markov_head=variant, markov_rank=rank)
     from dspark.config import Params
 
@@ -83,6 +90,9 @@ def test_speculators_loads_our_export_with_our_logits(
         logits, conf = model.forward_train(ids, aux, anchors[None])
     diff = (logits - theirs["logits"]).abs().max().item()
     assert diff < 1e-4, f"max |logit diff| {diff}"
-    assert (conf - theirs["confidence"]).abs().max().item() < 1e-4
+    if kind == "dspark":
+        assert (conf - theirs["confidence"]).abs().max().item() < 1e-4
+    else:
+        assert conf is None and "confidence" not in theirs
     if reduced:
         assert torch.equal(torch.arange(512) + theirs["d2t"], draft_ids)

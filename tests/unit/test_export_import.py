@@ -11,6 +11,7 @@ from torch import nn
 from dspark import export
 from dspark.errors import DataError
 from dspark.export import SPECULATORS_DEFAULTS, export_speculators, import_speculators
+from dspark.models.dflash import DFlashConfig, DFlashDraft
 from dspark.models.dspark import DSparkConfig, DSparkDraft
 
 from .test_drafts import SHAPE, VOCAB
@@ -40,20 +41,19 @@ OPTIONAL = {
 }
 
 
+def tiny_config(cls, **arch):
+    common = dict(
+        layer=SHAPE, num_layers=1, block_size=4, aux_layers=(0, 1), vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB, mask_token_id=VOCAB - 1,
+    )  # fmt: skip
+    return cls(**{**common, **arch})
+
+
 def exported(tmp_path, omit, **arch):
     """A tiny draft built as `arch` says, exported, then its config.json stripped of `omit`."""
-    arch = {"block_size": 4, **arch}
     torch.manual_seed(0)
     embed = nn.Embedding(VOCAB, SHAPE.hidden_size)
-    cfg = DSparkConfig(
-        layer=SHAPE,
-        num_layers=1,
-        aux_layers=(0, 1),
-        vocab_size=VOCAB,
-        draft_vocab_size=DRAFT_VOCAB,
-        mask_token_id=VOCAB - 1,
-        **arch,
-    )
+    cfg = tiny_config(DSparkConfig, **arch)
     model = DSparkDraft(cfg, embed, torch.randn(DRAFT_VOCAB, SHAPE.hidden_size))
     ids = torch.arange(DRAFT_VOCAB) * 2
     out = tmp_path / "export"
@@ -66,7 +66,7 @@ def exported(tmp_path, omit, **arch):
 
 
 def speculators_arch() -> dict:
-    return {field: SPECULATORS_DEFAULTS[key] for key, field in OPTIONAL.items()}
+    return {field: SPECULATORS_DEFAULTS["dspark"][key] for key, field in OPTIONAL.items()}
 
 
 def test_omitted_keys_take_speculators_defaults(tmp_path):
@@ -83,7 +83,7 @@ def test_an_omitted_key_follows_speculators_even_where_ours_differs(tmp_path, mo
     """Were speculators to default the confidence head off while our params default it on,
     a config.json that omits the key describes a draft without one."""
     assert DSparkConfig.__dataclass_fields__["confidence_head"].default is True  # ours
-    monkeypatch.setitem(SPECULATORS_DEFAULTS, "enable_confidence_head", False)
+    monkeypatch.setitem(SPECULATORS_DEFAULTS["dspark"], "enable_confidence_head", False)
     arch = {**speculators_arch(), "confidence_head": False}
     out, model, embed, _ = exported(tmp_path, ["enable_confidence_head"], **arch)
     back, _ = import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))
@@ -104,3 +104,35 @@ def test_a_combination_the_model_refuses_is_a_data_error(tmp_path):
     (out / "config.json").write_text(json.dumps(doc))
     with pytest.raises(DataError, match="confidence_with_markov needs markov_rank > 0"):
         import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))
+
+
+def test_a_dflash_draft_exports_as_speculators_dflash_and_comes_back(tmp_path):
+    torch.manual_seed(0)
+    embed = nn.Embedding(VOCAB, SHAPE.hidden_size)
+    cfg = tiny_config(DFlashConfig)
+    model = DFlashDraft(cfg, embed, torch.randn(DRAFT_VOCAB, SHAPE.hidden_size))
+    for p in model.parameters():  # away from the init, so a lost weight would show
+        nn.init.normal_(p, std=0.2)
+    ids = torch.arange(DRAFT_VOCAB) * 2
+    out = tmp_path / "dflash"
+    doc = export_speculators(model, ids, out, verifier_config=VERIFIER, verifier_path="verifier")
+    assert doc["speculators_model_type"] == doc["speculators_config"]["algorithm"] == "dflash"
+    assert doc["architectures"] == ["DFlashSpeculator"] and doc["sample_from_anchor"] is True
+    assert not {k for k in doc if "markov" in k or "confidence" in k}
+    assert doc["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    back, back_ids = import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))
+    assert type(back) is DFlashDraft and back.cfg == model.cfg and torch.equal(back_ids, ids)
+    assert export.roundtrip_diff(model, back) == 0.0
+
+    # speculators' DFlash default leaves slot 0 out of the draft: not what we can run
+    del doc["sample_from_anchor"]
+    (out / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(DataError, match="sample_from_anchor false"):
+        import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))
+
+
+def test_a_dflash_config_refuses_heads():
+    with pytest.raises(ValueError, match="no Markov or confidence head"):
+        tiny_config(DFlashConfig, markov_rank=8)
+    with pytest.raises(ValueError, match="no Markov or confidence head"):
+        tiny_config(DFlashConfig, confidence_head=True)

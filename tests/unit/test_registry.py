@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dspark.config import MARKOV_ABLATION, EvaluateConfig, LmEvalConfig, TrainConfig
-from dspark.decode.drafters import DSparkProposer, Eagle3Proposer
+from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
 from dspark.decode.proposers import NgramProposer, NoProposer
 from dspark.drafts import (
     DRAFT_KINDS,
@@ -27,6 +27,7 @@ from dspark.drafts import (
     trained_proposer,
 )
 from dspark.errors import ConfigError, DataError
+from dspark.models.dflash import DFlashConfig, DFlashDraft
 from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.train.checkpoint import save_draft
@@ -55,6 +56,9 @@ def tiny_draft(kind: str, embed: nn.Embedding) -> nn.Module:
             num_layers=1, block_size=4, mask_token_id=VOCAB - 1, markov_rank=8, **common
         )
         model = DSparkDraft(cfg, embed, torch.randn(DRAFT_VOCAB, SHAPE.hidden_size))
+    elif kind == "dflash":
+        cfg = DFlashConfig(num_layers=1, block_size=5, mask_token_id=VOCAB - 1, **common)
+        model = DFlashDraft(cfg, embed, torch.randn(DRAFT_VOCAB, SHAPE.hidden_size))
     else:
         model = Eagle3Draft(Eagle3Config(num_aux=2, ttt_steps=3, **common), embed)
     for p in model.parameters():  # away from the init, so a lost weight would show
@@ -121,8 +125,10 @@ def test_every_method_builds(drafts):
     assert (built["ngram"].k, built["ngram"].min_n, built["ngram"].max_n) == (4, 1, 3)
     assert isinstance(built["dspark"], DSparkProposer) and built["dspark"].k == 4
     assert isinstance(built["eagle3"], Eagle3Proposer) and built["eagle3"].k == 3
-    with pytest.raises(ConfigError, match="method: unknown method 'dflash'"):
-        build_proposer("dflash", ctx)
+    assert type(built["dflash"]) is DFlashProposer and built["dflash"].k == 5
+    assert built["dflash"].model.markov_head is built["dflash"].model.confidence_head is None
+    with pytest.raises(ConfigError, match="method: unknown method 'medusa'"):
+        build_proposer("medusa", ctx)
 
 
 def test_a_proposer_follows_the_checkpoints_kind_not_the_folders_name(drafts):
@@ -140,7 +146,7 @@ def test_a_missing_trained_draft_names_its_folder(tmp_path):
         build_proposer("eagle3", ctx)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+@pytest.mark.parametrize("kind", ["dspark", "eagle3", "dflash"])
 def test_a_draft_loads_back_by_its_kind(drafts, kind):
     folder, embed, ids, models = drafts
     back, back_ids = load_draft(folder / kind, embed)
@@ -157,12 +163,12 @@ def test_an_unknown_kind_is_one_line_naming_the_file(drafts):
     folder, embed, _, _ = drafts
     path = folder / "dspark" / "config.json"
     doc = json.loads(path.read_text())
-    doc["model"]["kind"] = "dflash"
+    doc["model"]["kind"] = "medusa"
     path.write_text(json.dumps(doc))
     with pytest.raises(DataError) as err:
         load_draft(folder / "dspark", embed)
     msg = str(err.value)
-    assert msg.startswith(f"{path}: model.kind: unknown draft kind 'dflash'"), msg
+    assert msg.startswith(f"{path}: model.kind: unknown draft kind 'medusa'"), msg
     assert "\n" not in msg
     del doc["model"]["num_layers"]
     doc["model"]["kind"] = "dspark"
@@ -183,6 +189,7 @@ def test_every_serve_mode_serves_a_registered_method(drafts):
         "none": "none",
         "ngram": "ngram",
         "eagle3": "eagle3",
+        "dflash": "dflash",
         "dspark_fixed": "dspark",
         "dspark_adaptive": "dspark",
     }

@@ -6,13 +6,13 @@ tau = k + 1 through it; and a path is checked against transformers teacher-force
 import pytest
 import torch
 
-from dspark.decode.drafters import DSparkProposer, Eagle3Proposer
+from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
 from dspark.decode.engine import SpecDecoder
 from dspark.decode.proposers import NgramProposer, NoProposer
 from dspark.decode.reference import Reference
 from dspark.decode.replay import Playback, decode_recorded
 from tests.unit.conftest import NEW
-from tests.unit.test_spec_decode import Oracle, Random, tiny_drafts
+from tests.unit.test_spec_decode import Oracle, Random, tiny_dflash, tiny_drafts
 
 
 def proposers(varied, prompts, reference):
@@ -24,6 +24,7 @@ def proposers(varied, prompts, reference):
         "ngram": lambda: NgramProposer(4, 1, 3),
         "dspark": lambda: DSparkProposer(*tiny_drafts(varied)[0]),
         "eagle3": lambda: Eagle3Proposer(*tiny_drafts(varied)[1]),
+        "dflash": lambda: DFlashProposer(*tiny_dflash(varied)),
     }
 
 
@@ -39,7 +40,9 @@ def replayed(llama, varied, prompts, proposer):
     return dec.generate(prompts, NEW)[0]
 
 
-@pytest.mark.parametrize("name", ["none", "oracle", "random", "ngram", "dspark", "eagle3"])
+@pytest.mark.parametrize(
+    "name", ["none", "oracle", "random", "ngram", "dspark", "eagle3", "dflash"]
+)
 def test_playback_decodes_as_the_target_does(name, llama, varied, prompts, reference):
     make = proposers(varied, prompts, reference)[name]
     live, _ = SpecDecoder(llama, make(), varied.eos_token_id, 2048).generate(prompts, NEW)

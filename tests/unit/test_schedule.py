@@ -5,7 +5,7 @@ from itertools import pairwise
 import pytest
 
 from dspark.config import OptimConfig
-from dspark.train.trainer import lr_at
+from dspark.train.trainer import cut, lr_at
 from tasks.stage import split_by_child
 
 
@@ -17,6 +17,14 @@ def test_warmup_then_cosine_to_zero():
     assert lrs[-1] < 0.01
     const = OptimConfig(lr=0.5, warmup_fraction=0.0, schedule="constant")
     assert {lr_at(s, 10, const) for s in range(10)} == {0.5}
+
+
+def test_max_steps_cuts_the_plan_across_epochs():
+    plans = [[[1], [2], [3]], [[4], [5], [6]]]
+    assert cut(plans, None) == plans
+    assert cut(plans, 4) == [[[1], [2], [3]], [[4]]]
+    assert cut(plans, 2) == [[[1], [2]]]
+    assert cut(plans, 9) == plans
 
 
 def test_metrics_route_to_their_draft():

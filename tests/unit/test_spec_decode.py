@@ -7,11 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from dspark.decode.drafters import DSparkProposer, Eagle3Proposer
+from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
 from dspark.decode.engine import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import NgramProposer, NoProposer, Proposal, Proposer
 from dspark.decode.sampling import Sampling, verify_sampled, warp
+from dspark.models.dflash import DFlashConfig, DFlashDraft
 from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.models.layers import LayerShape
@@ -81,6 +82,33 @@ def tiny_drafts(varied, block=4):
     return (dspark, draft_ids), (eagle, draft_ids)
 
 
+def tiny_dflash(varied, block=4):
+    """A DFlash draft over the same draft vocabulary as tiny_drafts' (same seed)."""
+    cfg = varied.model.config.to_dict()
+    torch.manual_seed(0)
+    draft_ids = torch.randperm(varied.vocab_size)[:DRAFT_VOCAB].sort().values
+    cfg = DFlashConfig(
+        layer=LayerShape.from_hf(cfg),
+        num_layers=2,
+        block_size=block,
+        aux_layers=(0, 1),
+        vocab_size=varied.vocab_size,
+        draft_vocab_size=DRAFT_VOCAB,
+        mask_token_id=0,
+    )
+    model = DFlashDraft(cfg, varied.embed, varied.lm_head.weight[draft_ids].detach())
+    for name, p in model.named_parameters():
+        if p.requires_grad and "norm" not in name:
+            nn.init.normal_(p, std=0.05)
+    return model, draft_ids
+
+
+def trained_drafts(varied) -> dict:
+    """{draft kind: (model, draft_ids)} for every kind, as a drafts folder holds them."""
+    (dspark, ids), (eagle, _) = tiny_drafts(varied)
+    return {"dspark": (dspark, ids), "eagle3": (eagle, ids), "dflash": tiny_dflash(varied)}
+
+
 def test_plain_decoding_equals_transformers_generate(llama, varied, prompts, reference):
     traces, _ = decoder(llama, varied, NoProposer()).generate(prompts, NEW)
     assert [t.tokens for t in traces] == reference
@@ -105,14 +133,16 @@ def test_random_ragged_drafts_keep_greedy_output(llama, varied, prompts, referen
     assert timing.verify_s > 0
 
 
-@pytest.mark.parametrize("which", ["dspark", "eagle3"])
+@pytest.mark.parametrize("which", ["dspark", "eagle3", "dflash"])
 def test_trained_drafts_keep_greedy_output(which, llama, varied, prompts, reference):
-    dspark, eagle = tiny_drafts(varied)
-    proposer = DSparkProposer(*dspark) if which == "dspark" else Eagle3Proposer(*eagle)
+    kind = {"dspark": DSparkProposer, "eagle3": Eagle3Proposer, "dflash": DFlashProposer}[which]
+    proposer = kind(*trained_drafts(varied)[which])
     traces, _ = decoder(llama, varied, proposer).generate(prompts, NEW)
     assert [t.tokens for t in traces] == reference
     if which == "dspark":
         assert all(len(c) == 4 and all(0 < x < 1 for x in c) for t in traces for c in t.confidence)
+    if which == "dflash":  # no confidence head: nothing to report
+        assert not any(t.confidence for t in traces)
 
 
 def _prefill(llama, varied, prompt, proposer):
