@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--state", type=Path, default=Path("logs/services/state.json"), help=argparse.SUPPRESS
     )
 
+    w = sub.add_parser(
+        "standing", help="where a long run stands: each stage finished, part-way or not started"
+    )
+    w.add_argument("--root", type=Path, default=Path("."), help="the checkout (default: .)")
+    w.add_argument("--profile", help="profile (default: the checkout's params.yaml `profile:`)")
+    w.add_argument("--out", type=Path, metavar="FILE", help="also write the report as JSON")
+
     d = sub.add_parser("dvc-yaml", help="write dvc.yaml from the stage registry")
     d.add_argument("--check", action="store_true", help="exit 1 if dvc.yaml is out of date")
 
@@ -231,6 +238,18 @@ def _manifests(args: argparse.Namespace) -> int:
     return 0
 
 
+def _standing(args: argparse.Namespace) -> None:
+    from dspark.config import load_params
+    from dspark.io import write_json
+    from dspark.standing import render, standing
+
+    profile = args.profile or load_params(args.root / "params.yaml").profile
+    report = standing(args.root, profile)
+    print(f"{args.root.resolve()} (profile {profile})\n{render(report)}")
+    if args.out:
+        write_json(args.out, {"profile": profile, "stages": report})
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -270,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             os.execve(sys.executable, [sys.executable, "-m", "flows.serve"], env)
         elif args.command == "endpoint":
             return _endpoint(args)
+        elif args.command == "standing":
+            _standing(args)
         elif args.command == "dvc-yaml":
             from dspark.io import write_text
             from dspark.stages import dvc_yaml

@@ -86,12 +86,19 @@ def estimate(params: Params, arch: dict) -> dict:
     samples = p.num_samples or max(1, (p.token_budget or 0) // seq)
     tokens = samples * seq
     weight_bytes = arch["weight_bytes"] or 0
+    if p.engine == "extract":
+        # Each producer answers decode_rows rows at once: their KV cache, and the tapped
+        # layers' states (fp32) kept for every position until the sample leaves.
+        decoding = (
+            x.workers
+            * x.decode_rows
+            * (seq + 1)
+            * (kv_per_token + (num_aux + 1) * arch["hidden_size"] * 4)
+        )
+    else:
+        decoding = kv_per_token * seq * p.batch_size  # the prepare stage's generate batch
     # Each extraction worker holds its own copy of the target; generation holds one more.
-    peak_memory = (
-        weight_bytes * (x.workers + 1)
-        + kv_per_token * seq * p.batch_size
-        + x.max_in_flight * seq * wire
-    )
+    peak_memory = weight_bytes * (x.workers + 1) + decoding + x.max_in_flight * seq * wire
     disk = tokens * 5 + (tokens * wire if x.mode in ("offline", "hybrid") else 0) + weight_bytes
     return {
         "tokens": tokens,

@@ -1,0 +1,72 @@
+"""`dspark standing`: each stage of a checkout finished, part-way or not started, for a profile."""
+
+import json
+import os
+
+from dspark.cli import main
+from dspark.codedeps import ROOT
+from dspark.standing import standing
+
+
+def put(path, doc, mtime=None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc) if not isinstance(doc, str) else doc)
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+
+
+def checkout(root):
+    """A long run stopped in extract: provision and prepare done, shards 2 of 3 on disk, and an
+    older run's train checkpoint and metrics written for another profile."""
+    put(root / "metrics/provision.json", {"profile": "full", "wall_s": 30.0, "git_commit": "c"})
+    put(root / "metrics/prepare.json", {"profile": "full", "wall_s": 20.0})
+    put(root / "artifacts/shards/manifest.json", {"num_samples": 3})
+    samples = [
+        {"sample_id": i, "tokens": 10, "response_tokens": 6, "shard": "hidden-00000.safetensors"}
+        for i in range(2)
+    ]
+    attempts = [{"wall_s": 100.0, "samples": 1}, {"wall_s": 50.5, "samples": 1}]
+    put(root / "artifacts/hidden/resume.json", {"samples": samples, "attempts": attempts})
+    put(root / "metrics/evaluate.json", {"profile": "default"})
+
+
+def test_a_run_stopped_in_extract(tmp_path):
+    checkout(tmp_path)
+    got = standing(tmp_path, "full")
+    assert got["provision"] == {"state": "finished", "wall_s": 30.0, "git_commit": "c"}
+    assert got["extract"] == {
+        "state": "part-way",
+        "samples": 2,
+        "of": 3,
+        "tokens": 20,
+        "response_tokens": 12,
+        "attempts": 2,
+        "wall_s": 150.5,
+    }
+    assert {got[s]["state"] for s in ("train", "export", "evaluate", "benchmark")} == {
+        "not started"
+    }
+
+
+def test_a_checkpoint_older_than_the_metrics_is_a_finished_stage(tmp_path):
+    state = {"step": 40, "epoch": 2, "tokens": 900, "loop_s": 12.34,
+             "runs": {"dspark": {"last_eval": {"tau_sim": 1.5}}}}  # fmt: skip
+    put(tmp_path / "artifacts/checkpoints/train/state.json", state, mtime=1000)
+    put(tmp_path / "metrics/train.json", {"profile": "full", "wall_s": 99.0}, mtime=2000)
+    assert standing(tmp_path, "full")["train"]["state"] == "finished"
+    assert standing(tmp_path, "default")["train"]["state"] == "part-way"  # not this profile's
+    os.utime(tmp_path / "artifacts/checkpoints/train/state.json", (3000, 3000))  # a rerun
+    got = standing(tmp_path, "full")["train"]
+    assert got == {"state": "part-way", "step": 40, "epoch": 2, "tokens": 900, "wall_s": 12.3,
+                   "tau_sim": {"dspark": 1.5}}  # fmt: skip
+
+
+def test_the_command_prints_and_writes_json(tmp_path, capsys):
+    checkout(tmp_path)
+    params = (ROOT / "params.yaml").read_text().replace("profile: default", "profile: full", 1)
+    put(tmp_path / "params.yaml", params)
+    assert main(["standing", "--root", str(tmp_path), "--out", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "(profile full)" in out and "extract    part-way: samples 2, of 3" in out
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["profile"] == "full" and doc["stages"]["prepare"]["state"] == "finished"
