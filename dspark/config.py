@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -283,10 +283,13 @@ class DSparkDraftConfig(Section):
 class DFlashDraftConfig(Section):
     """DeepSpec's DFlash recipe: DSpark's backbone without the Markov and confidence heads,
     trained on cross-entropy alone, slot k weighed exp(-k/gamma). Block size, mask token and
-    context layers are train.dspark's: the two drafts differ in the heads and the loss only."""
+    context layers are train.dspark's, and its depth and anchors unless set here: the two
+    drafts then differ in the heads and the loss only."""
 
-    num_layers: PosInt = 1
-    max_anchors: PosInt = Field(512, description="anchors sampled per sequence")
+    num_layers: PosInt | None = Field(None, description="decoder layers (None: train.dspark's)")
+    max_anchors: PosInt | None = Field(
+        None, description="anchors sampled per sequence (None: train.dspark's)"
+    )
     gamma: Annotated[float, Field(gt=0.0)] = Field(4.0, description="slot k weighs exp(-k/gamma)")
     output_scale: OutputScale = 1.0
     optim: OptimConfig = OptimConfig()
@@ -596,6 +599,25 @@ class Params(Section):
             )
         if not self.prepare.sampling.greedy:
             raise ValueError("prepare.engine extract decodes greedily: set prepare.sampling.greedy")
+        return self
+
+    @model_validator(mode="after")
+    def _decodes_what_trains(self) -> Params:
+        """A method or mode that drafts with a trained draft needs it in train.drafts: found
+        here in one line, not when the evaluation or the benchmark loads it hours in."""
+        trained = self.train.drafts
+        uses = [
+            *(("evaluate.methods", m, m) for m in self.evaluate.methods),
+            *(("evaluate.lm_eval.methods", m, m) for m in self.evaluate.lm_eval.methods),
+            *(("benchmark.modes", m, m.removesuffix("_fixed").removesuffix("_adaptive"))
+              for m in self.benchmark.modes),
+        ]  # fmt: skip
+        for field, name, draft in uses:
+            if draft in get_args(Draft) and draft not in trained:
+                raise ValueError(
+                    f"{field}: {name} needs the {draft} draft, which train.drafts "
+                    f"({', '.join(trained)}) does not train"
+                )
         return self
 
     def stream_credits(self, samples: int) -> tuple[int, int | None]:

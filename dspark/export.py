@@ -3,7 +3,10 @@ and DFlash model and vLLM's speculators loader read), and import such a folder b
 
 Field names and semantics follow speculators 0.9.0 (`DSparkSpeculatorConfig`, its DFlash base
 `DFlashSpeculatorConfig`, and `DraftVocabMixin`); a DFlash folder is a DSpark one without the
-Markov and confidence fields, under its own type and architecture:
+Markov and confidence fields, under its own type and architecture. Ours drafts from every slot
+(`sample_from_anchor: true`, DeepSpec's DFlash): speculators loads and runs it, but vLLM
+0.32's DFlash proposer serves only the anchor-as-bonus layout and refuses the flag, so the
+DFlash folder is for speculators, not yet for `vllm serve`:
     aux_hidden_state_layer_ids  index into HF `hidden_states` (0 = embeddings), so our layer i
                                 (the output of decoder layer i) is id i+1
     sample_from_anchor          true: every slot of a block drafts (block_size tokens per step)

@@ -97,8 +97,10 @@ def estimate(params: Params, arch: dict) -> dict:
         )
     else:
         decoding = kv_per_token * seq * p.batch_size  # the prepare stage's generate batch
-    # Each extraction worker holds its own copy of the target; generation holds one more.
-    peak_memory = weight_bytes * (x.workers + 1) + decoding + x.max_in_flight * seq * wire
+    # Each extraction worker holds its own copy of the target; generation holds one more. The
+    # stream's credits bound the samples whose states wait in a producer's store.
+    credits, _ = params.stream_credits(samples)
+    peak_memory = weight_bytes * (x.workers + 1) + decoding + credits * seq * wire
     disk = tokens * 5 + (tokens * wire if x.mode in ("offline", "hybrid") else 0) + weight_bytes
     return {
         "tokens": tokens,

@@ -10,8 +10,9 @@ runs or changes a stage.
     others     metrics/<stage>.json          -
 
 A stage is finished when its metrics file was written for the profile asked about (a checkout
-switches profiles) after its checkpoint last changed (a checkpoint may outlive the run that
-finished it; a rerun rewrites it first).
+switches profiles; DVC deletes the file when it reruns the stage) and its checkpoint, which may
+outlive the run that finished it, agrees: extract's manifest is written and no resume.json is
+left; train's checkpoint is at the step its metrics report.
 """
 
 from __future__ import annotations
@@ -32,13 +33,6 @@ def _json(path: Path) -> dict | None:
 
 def _lines(folder: Path) -> int:
     return sum(len(p.read_text().splitlines()) for p in sorted(folder.glob("*.jsonl")))
-
-
-def _mtime(path: Path) -> float:
-    """Newest modification time of a file, or of the files in a folder (0: none)."""
-    if path.is_dir():
-        return max((_mtime(p) for p in path.iterdir()), default=0.0)
-    return path.stat().st_mtime if path.exists() else 0.0
 
 
 def _extract(root: Path) -> dict | None:
@@ -82,25 +76,23 @@ def _records(folder: Path, what: str) -> dict | None:
 def standing(root: Path, profile: str) -> dict:
     """{stage: {"state": "finished" | "part-way" | "not started", ...}} for `profile`."""
     root = Path(root)
-    partial = {  # stage -> (what its checkpoint says, where the checkpoint is)
-        "extract": (lambda: _extract(root), stages.HIDDEN),
-        "train": (lambda: _train(root), stages.TRAIN_CHECKPOINT),
-        "evaluate": (lambda: _records(root / stages.EVAL_RECORDS, "records"), stages.EVAL_RECORDS),
-        "benchmark": (
-            lambda: _records(root / stages.BENCH_RECORDS, "records"),
-            stages.BENCH_RECORDS,
-        ),
+    partial = {  # stage -> what its checkpoint says
+        "extract": lambda: _extract(root),
+        "train": lambda: _train(root),
+        "evaluate": lambda: _records(root / stages.EVAL_RECORDS, "records"),
+        "benchmark": lambda: _records(root / stages.BENCH_RECORDS, "records"),
     }
     out = {}
     for stage in stages.STAGES:
-        read, where = partial.get(stage.name, (lambda: None, None))
-        part = read()
+        part = partial[stage.name]() if stage.name in partial else None
         done = _json(root / stage.metrics)
         if done is not None and done.get("profile") != profile:
             done = None
-        if part is not None and (
-            done is None or _mtime(root / where) > _mtime(root / stage.metrics)
-        ):
+        if stage.name == "extract" and not (root / stages.HIDDEN / "manifest.json").is_file():
+            done = None  # a rerun under way, before its first shard
+        if stage.name == "train" and part is not None and done is not None:
+            done = done if done.get("steps") == part["step"] else None
+        if done is None and part is not None:
             out[stage.name] = {"state": "part-way", **part}
         elif done is not None:
             out[stage.name] = {

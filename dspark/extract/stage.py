@@ -282,30 +282,35 @@ def extract(
         except BaseException as e:  # re-raised on the calling thread
             errors.append(e)
 
+    consumers: list[StreamConsumer] = []
+    stats = []
     # SIGTERM unwinds like Ctrl-C: the producers sit in sessions of their own (so that the
     # trainer can outlive a group signal), and leaving this block is what stops them.
-    with (
-        exit_on_sigterm(),
-        open_stream(
-            params,
-            target_dir=target_dir,
-            shards_dir=shards_dir,
-            sample_ids=ids,
-            consumed=set(resumed),
-        ) as st,
-    ):
-        consumers = st.consumers(fetch_timeout=x.fetch_timeout)
-        threads = [threading.Thread(target=drain, args=(c,)) for c in consumers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    with ExitStack() as stack:
+        stack.enter_context(exit_on_sigterm())
+        if len(resumed) < len(ids):  # else every sample is on disk: no stream to start
+            st = stack.enter_context(
+                open_stream(
+                    params,
+                    target_dir=target_dir,
+                    shards_dir=shards_dir,
+                    sample_ids=ids,
+                    consumed=set(resumed),
+                )
+            )
+            consumers = st.consumers(fetch_timeout=x.fetch_timeout)
+            threads = [threading.Thread(target=drain, args=(c,)) for c in consumers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            stats = [c.stats for c in st.coordinators]
         bar.close()
-        if errors:
-            raise errors[0]
-        stats = [c.stats for c in st.coordinators]
     wall = time.perf_counter() - t0
     bytes_received = sum(c.bytes_received for c in consumers)
+    attempts = writer.all_attempts()
     doc = writer.close(
         {
             "transport": x.transport,
@@ -333,8 +338,8 @@ def extract(
         "tokens": sum(e["tokens"] for e in doc["samples"]),
         "response_tokens": sum(e["response_tokens"] for e in doc["samples"]),
         "tokens_this_run": tokens,
-        "attempts": len(doc["attempts"]),
-        "wall_s_all_attempts": round(sum(a["wall_s"] for a in doc["attempts"]), 2),
+        "attempts": len(attempts),
+        "wall_s_all_attempts": round(sum(a["wall_s"] for a in attempts), 2),
         # Answered here: prompt and response tokens with their states per wall-second, the
         # whole on-policy data plane. Else the answers came from prepare and this is capture.
         "answered_here": params.prepare.engine == "extract",
@@ -344,7 +349,7 @@ def extract(
         "bytes_received": bytes_received,
         "mb_per_s": round(bytes_received / 1e6 / wall, 2),
         "consumer_wait_fraction": round(
-            sum(c.wait_s for c in consumers) / len(consumers) / wall, 4
+            sum(c.wait_s for c in consumers) / max(1, len(consumers)) / wall, 4
         ),
         "wall_s": round(wall, 2),
     }

@@ -147,7 +147,7 @@ def build_runs(
                 add_dspark(name, replace(cfg, confidence_with_markov=with_markov))
     if "dflash" in t.drafts:
         f = t.dflash
-        cfg = DFlashConfig(num_layers=f.num_layers, **block)
+        cfg = DFlashConfig(num_layers=f.num_layers or d.num_layers, **block)
         torch.manual_seed(t.seed)
         model = DFlashDraft(cfg, embed, rows)
         with torch.no_grad():
@@ -158,7 +158,7 @@ def build_runs(
             DraftRun(
                 name="dflash",
                 model=model,
-                objective=DSparkObjective(weights, f.max_anchors),
+                objective=DSparkObjective(weights, f.max_anchors or d.max_anchors),
                 eval_objective=DSparkObjective(weights, None),
                 optim=f.optim,
                 slots=cfg.block_size,

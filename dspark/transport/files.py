@@ -8,7 +8,9 @@ with no shards: a receipt of what streamed through, and a DVC output the train s
 A long extraction checkpoints: every shard, once on disk, is also listed in `resume.json`, with
 a fingerprint of what the states depend on. A writer opened later on the folder with the same
 fingerprint keeps those shards and goes on after them (the samples it has are `resumed`, for
-the stream to skip); another fingerprint starts over. Closing replaces the file by the manifest.
+the stream to skip); another fingerprint starts over. Closing replaces the file by the manifest,
+which keeps the fingerprint: a finished extraction run again (DVC reruns it when its code
+changes) keeps every shard. The manifest holds no timings, so the same states hash the same.
 """
 
 from __future__ import annotations
@@ -45,32 +47,39 @@ class HiddenShardWriter:
         self.attempts: list[dict] = []  # earlier writers' wall time and samples, oldest first
         self._pending: list[Sample] = []
         self._shards = 0
+        self._t0 = time.monotonic()
+        self._added = 0
         if fingerprint is not None and keep_payload:
             self._resume()
+        if self.entries:
+            self._checkpoint()  # before the manifest goes: a stop from here on keeps them
+        else:
+            (self.folder / RESUME).unlink(missing_ok=True)
         (self.folder / MANIFEST).unlink(missing_ok=True)
         kept = {e["shard"] for e in self.entries}
         for old in self.folder.glob("hidden-*.safetensors"):
             if old.name not in kept:  # an older run's, or written after the last checkpoint
                 old.unlink()
-        if not self.entries:
-            (self.folder / RESUME).unlink(missing_ok=True)
         self.resumed = frozenset(e["sample_id"] for e in self.entries)
-        self._t0 = time.monotonic()
-        self._added = 0
 
     def _resume(self) -> None:
-        try:
-            doc = json.loads((self.folder / RESUME).read_text())
-        except (OSError, ValueError):
-            return  # nothing to resume, or a file from before checkpoints were atomic
-        shards = doc.get("shards", [])
-        if doc.get("fingerprint") != self.fingerprint or not all(
-            (self.folder / name).is_file() for name in shards
-        ):
-            return
-        self.entries = doc["samples"]
-        self.attempts = doc["attempts"]
-        self._shards = len(shards)
+        """Adopt what a stopped writer checkpointed, or what a finished one wrote."""
+        for name in (RESUME, MANIFEST):
+            try:
+                doc = json.loads((self.folder / name).read_text())
+            except (OSError, ValueError):
+                continue  # absent, or from before the files were written atomically
+            samples = doc.get("samples", [])
+            shards = sorted({e.get("shard") for e in samples})
+            if (
+                doc.get("fingerprint") == self.fingerprint
+                and doc.get("payload", True)
+                and all(s and (self.folder / s).is_file() for s in shards)
+            ):
+                self.entries = samples
+                self.attempts = doc.get("attempts", [])
+                self._shards = len(shards)
+                return
 
     def attempt(self) -> dict:
         """This writer's share so far: wall seconds since it opened, samples it added."""
@@ -117,10 +126,14 @@ class HiddenShardWriter:
         doc = {
             "fingerprint": self.fingerprint,
             "shards": sorted({e["shard"] for e in flushed}),
-            "attempts": [*self.attempts, self.attempt()],
+            "attempts": self.all_attempts(),
             "samples": flushed,
         }
         write_json(self.folder / RESUME, doc)
+
+    def all_attempts(self) -> list[dict]:
+        """Every writer's share that reached a checkpoint, this one's so far last."""
+        return [*self.attempts, self.attempt()]
 
     def close(self, extra: dict) -> dict:
         self._flush()
@@ -128,9 +141,9 @@ class HiddenShardWriter:
             "schema_version": SCHEMA_VERSION,
             "payload": self.keep_payload,
             "num_samples": len(self.entries),
+            "fingerprint": self.fingerprint,
             **extra,
-            "attempts": [*self.attempts, self.attempt()],
-            "samples": self.entries,
+            "samples": sorted(self.entries, key=lambda e: e["sample_id"]),
         }
         write_json(self.folder / MANIFEST, doc)
         (self.folder / RESUME).unlink(missing_ok=True)

@@ -220,6 +220,15 @@ def test_a_stopped_extraction_resumes_after_its_last_shard(
     assert metrics["tokens"] > metrics["tokens_this_run"] > 0
     assert_exact(list(iter_hidden(out)), expected_samples(tiny_target, prepared, [0, 1]))
 
+    # Finished, then run again (DVC reruns it when its code changes): every shard is kept, and
+    # no producer starts.
+    manifest = (out / "manifest.json").read_bytes()
+    again = extract(
+        params, target_dir=tiny_target_dir, shards_dir=prepared, out_dir=out, progress=False
+    )
+    assert again["resumed_samples"] == NUM and again["samples_received"] == 0
+    assert again["lost"] == 0 and (out / "manifest.json").read_bytes() == manifest
+
 
 def test_killed_producer_samples_are_reassigned(tiny_target, tiny_target_dir, prepared):
     def kill_first(n, stream):

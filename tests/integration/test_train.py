@@ -369,6 +369,7 @@ def test_dflash_is_dsparks_backbone_without_heads_trained_on_ce_alone(
         assert getattr(dflash.model.cfg, field) == getattr(dspark.model.cfg, field), field
     w = dflash.objective.weights
     assert (w.ce, w.tv, w.kl, w.confidence, w.gamma) == (1.0, 0.0, 0.0, 0.0, 4.0)
-    assert dflash.objective.max_anchors == params.train.dflash.max_anchors
+    assert dflash.objective.max_anchors == params.train.dspark.max_anchors  # unless set apart
+    assert dflash.model.cfg.num_layers == dspark.model.cfg.num_layers
     shared = {k for k in dspark.model.state_dict() if not k.startswith(("markov", "confidence"))}
     assert set(dflash.model.state_dict()) == shared  # the same backbone, nothing else

@@ -44,7 +44,6 @@ def test_speculators_loads_our_export_with_our_logits(
 ):
     params = tiny_params(smoke_params)
     tree = params.model_dump()
-    tree["train"]["drafts"] = [kind]
     tree["train"]["dspark"].update(markov_head=variant, markov_rank=rank)
     from dspark.config import Params
 
@@ -52,7 +51,8 @@ def test_speculators_loads_our_export_with_our_logits(
     vocab = tiny_target.vocab_size
     counts = torch.randint(0, 50, (vocab,), generator=torch.Generator().manual_seed(1))
     draft_ids = build_draft_ids(counts, 512 if reduced else None)
-    model = build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)[0].model
+    runs = build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)
+    model = next(r.model for r in runs if r.name == kind)
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, p in model.named_parameters():

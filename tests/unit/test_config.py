@@ -81,6 +81,34 @@ def test_answering_in_extract_needs_shards_and_greedy():
     assert hf.stream_credits(100) == (hf.extract.max_in_flight, None)
 
 
+def test_a_method_or_mode_needs_its_draft_trained():
+    full = ["train.drafts=[dspark, eagle3]"]  # the full profile evaluates and serves dflash
+    with pytest.raises(
+        ConfigError,
+        match=r"^--set: evaluate\.methods: dflash needs the dflash draft, which train\.drafts "
+        r"\(dspark, eagle3\) does not train$",
+    ):
+        load_params(ROOT / "params.yaml", profile="full", overrides=full)
+    with pytest.raises(ConfigError, match=r"^--set: benchmark\.modes: dspark_fixed needs"):
+        load_params(
+            ROOT / "params.yaml",
+            overrides=[
+                "train.drafts=[eagle3]",
+                "evaluate.methods=[eagle3]",
+                "evaluate.lm_eval.methods=[none]",
+            ],
+        )
+    load_params(
+        ROOT / "params.yaml",
+        profile="full",
+        overrides=[
+            *full,
+            "evaluate.methods=[dspark, eagle3, ngram, none]",
+            "benchmark.modes=[none, eagle3, dspark_fixed]",
+        ],
+    )
+
+
 def test_malformed_yaml_names_file_and_line(tmp_path):
     path = write(tmp_path, "profile: smoke\ntarget:\n  model: [unclosed\n")
     with pytest.raises(ConfigError, match=r"params\.yaml:\d+:\d+: malformed YAML"):

@@ -41,9 +41,9 @@ def test_a_stopped_writer_resumes_after_its_last_finished_shard(tmp_path):
     assert not (tmp_path / "hidden-00002.safetensors").exists()  # not listed: dropped
     for sid in range(6, 10):
         w.add(sample(sid))
+    assert [a["samples"] for a in w.all_attempts()] == [6, 4]  # the first as of its last shard
     doc = w.close({})
-    assert not (tmp_path / RESUME).exists()
-    assert [a["samples"] for a in doc["attempts"]] == [6, 4]  # as of its last shard
+    assert not (tmp_path / RESUME).exists() and "attempts" not in doc  # no timings: same hash
     got = list(iter_hidden(tmp_path))  # CRC-verified against the manifest
     assert [s.sample_id for s in got] == list(range(10))
     for s in got:
@@ -71,3 +71,16 @@ def test_no_fingerprint_or_no_payload_never_resumes(tmp_path):
     assert w.resumed == set()
     w.add(sample(0))
     assert w.close({})["num_samples"] == 1 and (tmp_path / MANIFEST).exists()
+
+
+def test_a_finished_folder_run_again_keeps_every_shard_and_the_same_manifest(tmp_path):
+    w = stopped_after(tmp_path, 6)
+    w.close({"mode": "offline"})
+    first = (tmp_path / MANIFEST).read_bytes()
+    again = HiddenShardWriter(tmp_path, shard_size=3, keep_payload=True, fingerprint="fp-a")
+    assert again.resumed == set(range(6))
+    assert (tmp_path / RESUME).exists()  # a stop before closing still keeps them
+    again.close({"mode": "offline"})
+    assert (tmp_path / MANIFEST).read_bytes() == first
+    other = HiddenShardWriter(tmp_path, shard_size=3, keep_payload=True, fingerprint="fp-b")
+    assert other.resumed == set() and not list(tmp_path.glob("hidden-*"))

@@ -1,23 +1,20 @@
 """`dspark standing`: each stage of a checkout finished, part-way or not started, for a profile."""
 
 import json
-import os
 
 from dspark.cli import main
 from dspark.codedeps import ROOT
 from dspark.standing import standing
 
 
-def put(path, doc, mtime=None):
+def put(path, doc):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc) if not isinstance(doc, str) else doc)
-    if mtime is not None:
-        os.utime(path, (mtime, mtime))
 
 
 def checkout(root):
-    """A long run stopped in extract: provision and prepare done, shards 2 of 3 on disk, and an
-    older run's train checkpoint and metrics written for another profile."""
+    """A long run stopped in extract: provision and prepare done, shards 2 of 3 on disk, an
+    older extract's metrics and another profile's evaluation metrics left over."""
     put(root / "metrics/provision.json", {"profile": "full", "wall_s": 30.0, "git_commit": "c"})
     put(root / "metrics/prepare.json", {"profile": "full", "wall_s": 20.0})
     put(root / "artifacts/shards/manifest.json", {"num_samples": 3})
@@ -27,7 +24,8 @@ def checkout(root):
     ]
     attempts = [{"wall_s": 100.0, "samples": 1}, {"wall_s": 50.5, "samples": 1}]
     put(root / "artifacts/hidden/resume.json", {"samples": samples, "attempts": attempts})
-    put(root / "metrics/evaluate.json", {"profile": "default"})
+    put(root / "metrics/extract.json", {"profile": "full", "wall_s": 5.0})  # a finished rerun's
+    put(root / "metrics/eval.json", {"profile": "default", "wall_s": 9.0})
 
 
 def test_a_run_stopped_in_extract(tmp_path):
@@ -48,15 +46,15 @@ def test_a_run_stopped_in_extract(tmp_path):
     }
 
 
-def test_a_checkpoint_older_than_the_metrics_is_a_finished_stage(tmp_path):
+def test_a_checkpoint_at_the_reported_step_is_a_finished_stage(tmp_path):
     state = {"step": 40, "epoch": 2, "tokens": 900, "loop_s": 12.34,
              "runs": {"dspark": {"last_eval": {"tau_sim": 1.5}}}}  # fmt: skip
-    put(tmp_path / "artifacts/checkpoints/train/state.json", state, mtime=1000)
-    put(tmp_path / "metrics/train.json", {"profile": "full", "wall_s": 99.0}, mtime=2000)
+    put(tmp_path / "artifacts/checkpoints/train/state.json", state)
+    put(tmp_path / "metrics/train.json", {"profile": "full", "wall_s": 99.0, "steps": 40})
     assert standing(tmp_path, "full")["train"]["state"] == "finished"
     assert standing(tmp_path, "default")["train"]["state"] == "part-way"  # not this profile's
-    os.utime(tmp_path / "artifacts/checkpoints/train/state.json", (3000, 3000))  # a rerun
-    got = standing(tmp_path, "full")["train"]
+    put(tmp_path / "metrics/train.json", {"profile": "full", "wall_s": 99.0, "steps": 80})
+    got = standing(tmp_path, "full")["train"]  # a longer rerun, stopped at its step 40
     assert got == {"state": "part-way", "step": 40, "epoch": 2, "tokens": 900, "wall_s": 12.3,
                    "tau_sim": {"dspark": 1.5}}  # fmt: skip
 
