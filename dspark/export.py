@@ -266,8 +266,12 @@ def export_stage(params, *, drafts_dir: Path, target_dir: Path, out_dir: Path) -
     kinds = [k for k in KINDS if k == "dspark" or k in params.train.drafts]
     out_dir = ensure_writable_dir(Path(out_dir))
     for old in out_dir.iterdir():  # a folder of a draft this profile no longer trains
-        if old.name not in kinds:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        if old.name in kinds:
+            continue
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
     result: dict = {
         "format": params.export.format,
         "speculators_version": SPECULATORS_VERSION,
@@ -293,5 +297,8 @@ def export_stage(params, *, drafts_dir: Path, target_dir: Path, out_dir: Path) -
             "roundtrip_vocab_equal": bool(torch.equal(back_ids, draft_ids)),
             "roundtrip_max_abs_diff": roundtrip_diff(model, back),
         }
-        result.update(checked) if kind == "dspark" else result.update({kind: checked})
+        if kind == "dspark":
+            result.update(checked)
+        else:
+            result[kind] = checked
     return result

@@ -70,11 +70,11 @@ class HiddenShardWriter:
             except (OSError, ValueError):
                 continue  # absent, or from before the files were written atomically
             samples = doc.get("samples", [])
-            shards = sorted({e.get("shard") for e in samples})
+            shards = {e.get("shard") for e in samples}
             if (
                 doc.get("fingerprint") == self.fingerprint
                 and doc.get("payload", True)
-                and all(s and (self.folder / s).is_file() for s in shards)
+                and all(isinstance(s, str) and (self.folder / s).is_file() for s in shards)
             ):
                 self.entries = samples
                 self.attempts = doc.get("attempts", [])
