@@ -307,6 +307,11 @@ class Eagle3DraftConfig(Section):
     loss_decay: Annotated[float, Field(gt=0.0, le=1.0)] = Field(
         0.8, description="step k weighs loss_decay**k"
     )
+    max_anchors: PosInt | None = Field(
+        None,
+        description="chains unrolled per sequence, drawn like DSpark's anchors (None: every "
+        "response position, as speculators and SpecForge train)",
+    )
     output_scale: OutputScale = 1.0
     optim: OptimConfig = OptimConfig()
 

@@ -5,7 +5,9 @@ Both drafts draft from the same kind of position: an anchor p whose token x_p an
 x_{p+1} are both response tokens (the anchor plays the bonus token the target just emitted, the
 context is everything before it). Slot k then predicts x_{p+k+1}, judged against the target's own
 distribution at position p+k. DSpark samples up to `max_anchors` such positions per sequence;
-EAGLE-3 unrolls from every one of them, as its training-time test does.
+EAGLE-3's training-time test unrolls a chain from every one of them unless its own
+`max_anchors` samples them too (its step 0 still runs over every position: later steps attend
+to it).
 """
 
 from __future__ import annotations
@@ -95,13 +97,14 @@ class DSparkObjective:
 @dataclass(frozen=True)
 class Eagle3Objective:
     weights: LossWeights
+    max_anchors: int | None = None  # chains per sequence; None unrolls from every candidate
     total: Total | None = None
 
     def __call__(self, model: Eagle3Draft, batch: Batch, gen: torch.Generator | None) -> dict:
-        chains, ok = pick_anchors(anchor_candidates(batch), None, None)
+        chains, ok = pick_anchors(anchor_candidates(batch), self.max_anchors, gen)
         logits = model.forward_ttt(batch.input_ids, batch.aux, chains, ok)  # [N, K, d]
         p, labels, valid = gather_slots(batch, chains, ok, model.cfg.ttt_steps)
         return slot_losses(logits, p, labels, valid, self.weights, total=self.total)
 
     def skip(self, gen: torch.Generator, candidates: list[int]) -> None:
-        """Unrolls from every candidate: no draws to replay."""
+        skip_draws(gen, candidates, self.max_anchors)

@@ -186,7 +186,7 @@ def build_runs(
             DraftRun(
                 name="eagle3",
                 model=model,
-                objective=Eagle3Objective(weights),
+                objective=Eagle3Objective(weights, e.max_anchors),
                 eval_objective=Eagle3Objective(weights),
                 optim=e.optim,
                 slots=cfg.ttt_steps,

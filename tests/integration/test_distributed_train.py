@@ -113,15 +113,20 @@ def drafts(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.mark.slow
 def test_two_ranks_train_every_draft_as_one_process_does(tiny_target_dir, data, tmp_path):
-    """The whole stage, rank 1 spawned by it: the DSpark draft, its Markov ablations and
-    EAGLE-3 come out as one process trains them, and only rank 0 writes."""
+    """The whole stage, rank 1 spawned by it: the DSpark draft, its Markov ablations, DFlash and
+    EAGLE-3 (its chains sampled, so rank 1 replays rank 0's draws) come out as one process
+    trains them, and only rank 0 writes."""
     one = train(
-        smoke("train.markov_ablation=true"),
+        smoke("train.markov_ablation=true", "train.eagle3.max_anchors=6"),
         stage_paths(tiny_target_dir, data, tmp_path / "1"),
         progress=False,
     )
     paths = stage_paths(tiny_target_dir, data, tmp_path / "2")
-    two = train(smoke("train.markov_ablation=true", "train.world_size=2"), paths, progress=False)
+    two = train(
+        smoke("train.markov_ablation=true", "train.eagle3.max_anchors=6", "train.world_size=2"),
+        paths,
+        progress=False,
+    )
 
     assert two["world_size"] == 2 and two["steps"] == one["steps"] == 6
     assert two["tokens"] == one["tokens"]

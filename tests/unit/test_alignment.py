@@ -98,7 +98,12 @@ class TargetAsDraft(torch.nn.Module):
 
 
 @pytest.mark.parametrize(
-    "objective", [DSparkObjective(LossWeights()), Eagle3Objective(LossWeights())]
+    "objective",
+    [
+        DSparkObjective(LossWeights()),
+        Eagle3Objective(LossWeights()),
+        Eagle3Objective(LossWeights(), max_anchors=5),  # sampled chains keep the alignment
+    ],
 )
 def test_a_draft_equal_to_the_target_is_accepted_on_every_slot(objective, greedy, varied):
     out = objective(TargetAsDraft(varied), greedy, torch.Generator().manual_seed(0))
@@ -109,6 +114,20 @@ def test_a_draft_equal_to_the_target_is_accepted_on_every_slot(objective, greedy
     # ... and the same draft one position off is not: the check can fail.
     off = objective(TargetAsDraft(varied, shift=1), greedy, torch.Generator().manual_seed(0))
     assert float(off["accept"][off["mask"]].mean()) < 0.5
+
+
+def test_eagle3_unrolls_max_anchors_chains_drawn_as_dspark_draws_its_anchors(greedy, varied):
+    gen = torch.Generator().manual_seed(3)
+    every = Eagle3Objective(LossWeights())(TargetAsDraft(varied), greedy, gen)
+    some = Eagle3Objective(LossWeights(), max_anchors=5)(TargetAsDraft(varied), greedy, gen)
+    assert every["mask"].shape[0] == int(anchor_candidates(greedy).sum()) > 10
+    assert some["mask"].shape[0] == 5 * greedy.size  # every row has more than 5 candidates
+    # a data-parallel rank replays the draws of rows before its own: `skip` makes those draws
+    a, b = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    pick_anchors(anchor_candidates(greedy), 5, a)
+    counts = [int(n) for n in anchor_candidates(greedy).sum(1)]
+    Eagle3Objective(LossWeights(), max_anchors=5).skip(b, counts)
+    assert torch.equal(a.get_state(), b.get_state())
 
 
 def test_a_slot_sees_the_context_before_its_anchor_only(greedy, varied):
