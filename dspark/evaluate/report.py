@@ -198,6 +198,9 @@ def report_markdown(result: dict) -> str:
         ]
         if behind:
             lines.append(f"DSpark's tau is below {rival}'s on: {', '.join(behind)}.")
+    if "phases_s" in result:
+        parts = ", ".join(f"{k.replace('_', ' ')} {v} s" for k, v in result["phases_s"].items())
+        lines.append(f"Stage time by phase: {parts}.")
     missing = [c for c in CATEGORIES if c not in result["categories"]]
     if missing:
         lines.append(f"Not evaluated: {', '.join(missing)}.")

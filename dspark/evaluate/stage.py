@@ -27,6 +27,7 @@ Every decode is recorded as it finishes (`records.py`), so a stopped evaluation 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, replace
 from itertools import combinations
 from pathlib import Path
@@ -379,8 +380,13 @@ class Evaluation:
         }
         calibration = Calibration()
         step = 0
+        # Where the stage's time goes (seconds per phase), for sizing it to its budget.
+        phases = {"target_paths": 0.0, "replay": 0.0, "live": 0.0, "lm_eval": 0.0}
+        t0 = time.perf_counter()
         for step, batch in enumerate(self.batches(every), start=1):
+            t = time.perf_counter()
             wants |= self.paths(batch)
+            phases["target_paths"] += time.perf_counter() - t
             bars["target path"].update(len(batch))
             for label, proposer in replayed.items():
                 for p, (trace, timing) in zip(
@@ -397,6 +403,7 @@ class Evaluation:
         for b in bars.values():
             b.close()
         self._recorded = None
+        phases["replay"] = time.perf_counter() - t0 - phases["target_paths"]
 
         # The n-gram window: the best mean tau over the nine, on every prompt.
         sweep = {w: per[_ngram_label(w)] for w in self.windows}
@@ -414,6 +421,7 @@ class Evaluation:
         self.log.log(step + 1, **{k: v for k, v in taus.items() if v is not None})
 
         # Live: greedy (checked against transformers and the replay) and sampled.
+        t0 = time.perf_counter()
         live = self.live_prompts(selected)
         greedy = {m: Tally() for m in methods}
         sampled = {c: {m: Tally() for m in methods} for c in selected}
@@ -444,6 +452,7 @@ class Evaluation:
                 live_bar.update(len(batch))
         live_bar.close()
         self._prefilled = None
+        phases["live"] = time.perf_counter() - t0
 
         result = assemble(self.params, tallies, sampled, ablation, calibration, sweep, best)
         result["overall"] = overall(tallies, greedy, methods)
@@ -459,7 +468,10 @@ class Evaluation:
         if cfg.lm_eval.limit:
             if progress:
                 say(f"evaluate: lm-eval, {cfg.lm_eval.limit} problems per method")
+            t0 = time.perf_counter()
             result["quality"] = quality(self.params, self.target, self.llama, chosen, self.context)
+            phases["lm_eval"] = time.perf_counter() - t0
+        result["phases_s"] = {k: round(v, 1) for k, v in phases.items()}
         return result
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -85,9 +86,14 @@ def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
         records=tmp_path / "records",
     )
     torch.manual_seed(0)
+    t0 = time.perf_counter()
     result = evaluate(params(), paths)
+    wall = time.perf_counter() - t0
     assert result["resumed_decodes"] == 0
     assert result["prompts"] == {"math_reasoning": 2, "writing": 1, "long_context": 1}
+    phases = result["phases_s"]  # where the stage's time went, every phase measured
+    assert set(phases) == {"target_paths", "replay", "live", "lm_eval"}
+    assert all(v > 0 for v in phases.values()) and sum(phases.values()) < wall
     for cat in result["prompts"]:
         for m in METHODS:
             assert result["categories"][cat][m]["tau"] >= 1.0
@@ -109,7 +115,8 @@ def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
     assert set(q["exact_match"]) == {"none", "dspark"}
     for name in ("eval_tau.csv", "eval_pos_accept.csv", "eval_calibration.csv", "eval.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 0
-    assert "Lossless: 0 mismatches" in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "Lossless: 0 mismatches" in report and "Stage time by phase: target paths" in report
 
     # A rerun replays every recorded decode (the stage's checkpoint): the same figures, timings
     # included, with nothing decoded again. A record cut short by a stop is dropped, not trusted.
