@@ -84,6 +84,16 @@ def dvc_sets(params_file: Path, point: dict[str, object]) -> list[str]:
     return out
 
 
+def workspace_files(root: Path) -> list[Path]:
+    """What a sweep puts back as it found it: params.yaml, dvc.lock, and the metrics and plots
+    every stage writes uncached. A point reruns the stages upstream of the swept one too (each
+    depends on the whole profile overlay the point changes), and they rewrite theirs."""
+    names = ["params.yaml", "dvc.lock"]
+    for s in stages.STAGES:
+        names += [s.metrics, *(p.path for p in s.plots)]
+    return [root / n for n in dict.fromkeys(names) if (root / n).is_file()]
+
+
 def _dig(doc: dict, dotted: str):
     for part in dotted.split("."):
         if not isinstance(doc, dict) or part not in doc:
@@ -120,11 +130,7 @@ def sweep(
     tracker.params(parent, {f"fixed.{k}": v for k, v in fixed.items()})
     # `dvc exp run` leaves the last point's lock, outputs and metrics in the workspace: they
     # are put back afterwards (the outputs from DVC's cache), so a sweep changes nothing there.
-    kept = {
-        f: f.read_bytes()
-        for f in (params_file, root_path / "dvc.lock", root_path / spec.metrics)
-        if f.is_file()
-    }
+    kept = {f: f.read_bytes() for f in workspace_files(root_path)}
     stem = root_path / "metrics" / "sweeps" / name
     rows, ok = [], False
     try:
@@ -158,7 +164,7 @@ def sweep(
         for path, data in kept.items():
             with atomic_path(path) as tmp:
                 tmp.write_bytes(data)
-        dvc(["checkout", stage], root_path)
+        dvc(["checkout"], root_path)  # every stage's: a point may rerun those upstream
     return _write_table(stem, rows, metric, params.profile)
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dspark.errors import ConfigError
-from flows.sweep import _write_table, dvc_sets, parse_point
+from flows.sweep import _write_table, dvc_sets, parse_point, workspace_files
 
 
 def test_a_point_splits_on_spaces_outside_brackets():
@@ -51,3 +51,20 @@ def test_the_table_merges_invocations_and_ranks_by_the_metric(tmp_path):
     doc = json.loads(stem.with_suffix(".json").read_text())
     assert doc["points"] == rows and len(doc["commands"]) == 1  # the same command, once
     assert stem.with_suffix(".csv").read_text().splitlines()[0] == "exp,a,tau"
+
+
+def test_the_sweep_puts_back_what_the_upstream_stages_rewrite(tmp_path):
+    """A train point reruns provision, prepare and extract (the profile overlay it changes is
+    theirs too), so their metrics go back with train's, params.yaml and dvc.lock."""
+    for rel in ("params.yaml", "dvc.lock", "metrics/extract.json", "metrics/train.json",
+                "plots/train_curves.csv", "metrics/unrelated.json"):  # fmt: skip
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("{}")
+    got = {p.relative_to(tmp_path).as_posix() for p in workspace_files(tmp_path)}
+    assert got == {
+        "params.yaml",
+        "dvc.lock",
+        "metrics/extract.json",
+        "metrics/train.json",
+        "plots/train_curves.csv",
+    }
