@@ -9,7 +9,7 @@ the one a live decode measures, without a target pass per method and step (most 
 cost at low acceptance). Every path is checked against transformers, teacher-forced: one
 forward per batch gives transformers' greedy choice at every step of it.
 
-A seeded few prompts (`evaluate.live_prompts`, spread over the nine) are also decoded live by
+A few short prompts (`evaluate.live_prompts`, spread over the nine) are also decoded live by
 every method, batched: greedy, each output compared token for token with transformers' and each
 trace step for step with its replay; and sampled (temperature, top-p), which no recording can
 stand in for. The live decodes give the speed columns; single-stream speed is the benchmark's.
@@ -349,12 +349,13 @@ class Evaluation:
             self.lossless["mismatched_ids"].append(name)
 
     def live_prompts(self, selected: dict[str, list[Prompt]]) -> list[Prompt]:
-        """`evaluate.live_prompts` of the nine categories' selection, one per category in a
-        seeded order of the categories, round after round, each category's shortest first:
-        a live decode is the stage's dearest part, and a long RAG prompt would set its cost."""
-        nine = [c for c in selected if c not in LONG_CATEGORIES]
-        random.Random(f"{self.cfg.seed}:live").shuffle(nine)
-        by_length = {c: sorted(selected[c], key=lambda p: len(p.text)) for c in nine}
+        """`evaluate.live_prompts` of the nine categories' selection, one per category, round
+        after round: each category's shortest first, the categories in the order of their
+        shortest prompt. A live decode is the stage's dearest part and its prefill grows with the
+        prompt, so a few live prompts do not land on a RAG prompt's 1,500-token context."""
+        nine = [c for c in selected if c not in LONG_CATEGORIES and selected[c]]
+        by_length = {c: sorted(selected[c], key=lambda p: (len(p.text), p.id)) for c in nine}
+        nine.sort(key=lambda c: (len(by_length[c][0].text), c))
         rounds = max((len(by_length[c]) for c in nine), default=0)
         order = [by_length[c][r] for r in range(rounds) for c in nine if r < len(by_length[c])]
         return order[: self.cfg.live_prompts]
