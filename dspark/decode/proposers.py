@@ -46,6 +46,9 @@ class Proposer:
     def start(self, batch: int, slots: int) -> None:
         """A new batch of rows with `slots` positions each."""
 
+    def flush(self) -> None:
+        """Do the work held while `holding` (`propose` does it first in any case)."""
+
     def extend(
         self,
         seq: torch.Tensor,  # [B, M]

@@ -7,7 +7,8 @@ our engine here and vLLM elsewhere.
     GET  /v1/models        the one model served
     GET  /health           ready once the engine is (the verify cost is profiled at start)
     GET  /v1/dspark/stats  the engine's totals: steps, drafting and verification time (and the
-                           verify cost the adaptive mode profiled)
+                           adaptive mode's verify cost profiled at start and its scheduler's
+                           state: does drafting pay, the drafting overhead, the survival curve)
 
 Beyond OpenAI's fields, each choice carries `token_ids` (the tokens in this chunk, as vLLM's
 `return_token_ids` gives them) and the final response a `dspark` object (verify steps, drafts
@@ -126,6 +127,8 @@ def create_app(
     @app.get("/v1/dspark/stats")
     async def stats():
         doc = {"mode": mode, "busy": engine.busy(), **engine.stats.to_json()}
+        if engine.scheduler is not None:
+            doc["scheduler"] = engine.scheduler.state()
         return {**doc, "verify_cost": verify_cost} if verify_cost else doc
 
     @app.post("/v1/completions")

@@ -59,6 +59,7 @@ class EngineStats:
     requests: int = 0
     tokens: int = 0
     steps: int = 0  # engine steps (one per batch, not per row)
+    draft_steps: int = 0  # of them, those that drafted (the adaptive mode skips some)
     row_steps: int = 0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -213,10 +214,17 @@ class ServeEngine:
         busy = torch.nonzero(self.rows.active).flatten()
         span = slice(0, int(busy.max()) + 1)
         was_active = self.rows.active[span].clone()
-        sched = self.scheduler
+        sched, prop = self.scheduler, self.decoder.proposer
         drafting = sched is None or sched.wants_draft()
+        if drafting and prop.holding:
+            # A probe first catches up on the context work held since the last one, timed apart:
+            # it is not what a step costs once drafting pays, and counting it in the drafting
+            # overhead would make drafting look dearer the longer it has been off.
+            t0 = time.perf_counter()
+            prop.flush()
+            self.stats.draft_s += time.perf_counter() - t0
         # Where drafting does not pay, the draft's per-step context work waits for the probes.
-        self.decoder.proposer.holding = sched is not None and not sched.pays
+        prop.holding = sched is not None and not sched.pays
         st = self.decoder.step(
             self.rows,
             self.sampling,
@@ -230,6 +238,7 @@ class ServeEngine:
             ms = st.draft_s * 1000
             sched.overhead_ms = 0.8 * sched.overhead_ms + 0.2 * ms if sched.overhead_ms else ms
         self.stats.steps += 1
+        self.stats.draft_steps += drafting and prop.k > 0
         self.stats.draft_s += st.draft_s
         self.stats.verify_s += st.verify_s
         for r in torch.nonzero(was_active).flatten().tolist():

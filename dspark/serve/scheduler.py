@@ -91,6 +91,15 @@ class AdaptiveScheduler:
     _interval: int = field(default=1, init=False)
     _skipped: int = field(default=0, init=False)
 
+    def state(self) -> dict:
+        """What the next decisions rest on (the server's stats show it)."""
+        return {
+            "pays": self.pays,
+            "overhead_ms": round(self.overhead_ms, 3),
+            "probe_interval": 1 if self.pays else self._interval,
+            "curve": None if self.curve is None else [round(x, 4) for x in self.curve.tolist()],
+        }
+
     def wants_draft(self) -> bool:
         """Whether to draft this step. When a drafting step (its drafting cost included) is
         expected to emit fewer tokens per millisecond than a plain step, drafting is wasted

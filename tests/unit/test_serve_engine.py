@@ -3,6 +3,7 @@ than requests, give each request exactly the target's greedy output alone, in ev
 cancelling frees the row; the adaptive mode stops drafting where drafts cannot pay."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -107,13 +108,18 @@ def test_requests_batched_as_they_come_decode_as_alone(which, llama, varied, pro
     assert engine.stats.requests == len(prompts)
     if which in ("dspark_fixed", "dspark_adaptive", "eagle3"):
         assert engine.stats.draft_s > 0
+    if which in ("ngram", "random", "eagle3", "dspark_fixed"):
+        assert engine.stats.draft_steps == engine.stats.steps
+    if which == "none":
+        assert engine.stats.draft_steps == 0
     if which == "random":  # drafts were verified, some accepted, some not
         assert engine.stats.tokens > engine.stats.row_steps + engine.stats.requests
 
 
 def test_adaptive_stops_drafting_where_it_cannot_pay(llama, varied, prompts, reference):
     dspark, _ = tiny_drafts(varied)
-    dec = SpecDecoder(llama, DSparkProposer(*dspark), varied.eos_token_id, max_context=2048)
+    prop = DSparkProposer(*dspark)
+    dec = SpecDecoder(llama, prop, varied.eos_token_id, max_context=2048)
     scheduler = AdaptiveScheduler(STEEP, probe_every=4)
     engine = ServeEngine(dec, max_batch=4, max_len=96, scheduler=scheduler)
     requests = []
@@ -131,6 +137,37 @@ def test_adaptive_stops_drafting_where_it_cannot_pay(llama, varied, prompts, ref
     assert not scheduler.pays
     # Drafting only every 4th step after the first: far fewer plans than steps.
     assert len(requests) <= engine.stats.steps // 4 + 2
+    assert engine.stats.draft_steps == len(requests)
+    state = scheduler.state()
+    assert not state["pays"] and state["probe_interval"] >= 4 and len(state["curve"]) == prop.k
+
+
+class SlowCatchUp(DSparkProposer):
+    """DSpark whose catch-up on held context takes a known, long time."""
+
+    pause_s = 0.5
+
+    def flush(self):
+        if self._holds:
+            self.caught_up += 1
+            time.sleep(self.pause_s)
+        super().flush()
+
+
+def test_a_probes_catch_up_is_not_counted_as_drafting_overhead(llama, varied, prompts):
+    """Where drafting does not pay, DSpark's context work waits for the next probe. The probe's
+    catch-up is timed apart from the drafting overhead the scheduler weighs (else the longer
+    drafting is off, the dearer it looks), and still counted in the engine's draft time."""
+    dspark, _ = tiny_drafts(varied)
+    prop = SlowCatchUp(*dspark)
+    prop.caught_up = 0
+    dec = SpecDecoder(llama, prop, varied.eos_token_id, max_context=2048)
+    scheduler = AdaptiveScheduler(STEEP, probe_every=4)
+    engine = ServeEngine(dec, max_batch=4, max_len=96, scheduler=scheduler)
+    serve(engine, prompts, stagger=False)
+    assert prop.caught_up >= 2 and not scheduler.pays
+    assert 0 < scheduler.overhead_ms < 1000 * prop.pause_s / 10  # 188 ms when it counted
+    assert engine.stats.draft_s >= prop.caught_up * prop.pause_s
 
 
 def test_cancel_frees_the_row(llama, varied, prompts, reference):
