@@ -464,7 +464,7 @@ class EvaluateConfig(Section):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     live_prompts: NonNegInt = Field(
         9,
-        description="prompts (one per category of the nine, in a seeded order) every method "
+        description="prompts (one per category of the nine, shortest first) every method "
         "also decodes live: greedy, checked against transformers and against its replay, and "
         "sampled; the speed columns come from these (0: replay only)",
     )
