@@ -12,7 +12,8 @@ runs or changes a stage.
 A stage is finished when its metrics file was written for the profile asked about (a checkout
 switches profiles; DVC deletes the file when it reruns the stage) and its checkpoint, which may
 outlive the run that finished it, agrees: extract's manifest is written and no resume.json is
-left; train's checkpoint is at the step its metrics report.
+left; train's checkpoint is at the step its metrics report. A finished stage also shows its
+headline figures (held-out tau_sim per draft, mean tau per method, single-stream speedups).
 """
 
 from __future__ import annotations
@@ -73,6 +74,26 @@ def _records(folder: Path, what: str) -> dict | None:
     return {what: _lines(folder)}
 
 
+def _figures(stage: str, done: dict) -> dict:
+    """A finished stage's headline figures, as its metrics file names them."""
+    if stage == "extract":
+        keys = ("samples_received", "tokens", "onpolicy_tok_s")
+        return {k: done[k] for k in keys if k in done}
+    if stage == "train":
+        taus = {
+            name: run["tau_sim"]
+            for name, run in done.items()
+            if isinstance(run, dict) and "tau_sim" in run
+        }
+        return {"steps": done.get("steps"), "tokens": done.get("tokens"), "tau_sim": taus}
+    if stage == "evaluate":
+        return {"mean_tau": done.get("mean")}
+    if stage == "benchmark":
+        overall = done.get("overall") or {}
+        return {"speedup_c1": {m: row.get("speedup_c1") for m, row in overall.items()}}
+    return {}
+
+
 def standing(root: Path, profile: str) -> dict:
     """{stage: {"state": "finished" | "part-way" | "not started", ...}} for `profile`."""
     root = Path(root)
@@ -99,6 +120,7 @@ def standing(root: Path, profile: str) -> dict:
                 "state": "finished",
                 "wall_s": done.get("wall_s"),
                 "git_commit": done.get("git_commit"),
+                **_figures(stage.name, done),
             }
         else:
             out[stage.name] = {"state": "not started"}

@@ -68,3 +68,19 @@ def test_the_command_prints_and_writes_json(tmp_path, capsys):
     assert "(profile full)" in out and "extract    part-way: samples 2, of 3" in out
     doc = json.loads((tmp_path / "s.json").read_text())
     assert doc["profile"] == "full" and doc["stages"]["prepare"]["state"] == "finished"
+
+
+def test_a_finished_stage_shows_its_headline_figures(tmp_path):
+    train = {"profile": "full", "wall_s": 99.0, "steps": 40, "tokens": 900,
+             "dspark": {"tau_sim": 1.31, "curve": []}, "eagle3": {"tau_sim": 1.47},
+             "goal": {"met": False}}  # fmt: skip
+    put(tmp_path / "metrics/train.json", train)
+    put(tmp_path / "metrics/eval.json", {"profile": "full", "mean": {"dspark": 1.4, "none": 1.0}})
+    bench = {"profile": "full", "overall": {"none": {"speedup_c1": 1.0, "tok_s_c1": 20.0},
+                                            "dspark_adaptive": {"speedup_c1": 1.2}}}  # fmt: skip
+    put(tmp_path / "metrics/bench.json", bench)
+    got = standing(tmp_path, "full")
+    assert got["train"] == {"state": "finished", "wall_s": 99.0, "git_commit": None, "steps": 40,
+                            "tokens": 900, "tau_sim": {"dspark": 1.31, "eagle3": 1.47}}  # fmt: skip
+    assert got["evaluate"]["mean_tau"] == {"dspark": 1.4, "none": 1.0}
+    assert got["benchmark"]["speedup_c1"] == {"none": 1.0, "dspark_adaptive": 1.2}
