@@ -77,7 +77,7 @@ def _records(folder: Path, what: str) -> dict | None:
 def _figures(stage: str, done: dict) -> dict:
     """A finished stage's headline figures, as its metrics file names them."""
     if stage == "extract":
-        keys = ("samples_received", "tokens", "onpolicy_tok_s")
+        keys = ("tokens", "onpolicy_tok_s")  # (a resumed run's samples_received: its last part)
         return {k: done[k] for k in keys if k in done}
     if stage == "train":
         taus = {

@@ -79,7 +79,12 @@ def test_a_finished_stage_shows_its_headline_figures(tmp_path):
     bench = {"profile": "full", "overall": {"none": {"speedup_c1": 1.0, "tok_s_c1": 20.0},
                                             "dspark_adaptive": {"speedup_c1": 1.2}}}  # fmt: skip
     put(tmp_path / "metrics/bench.json", bench)
+    put(tmp_path / "artifacts/hidden/manifest.json", {})
+    extract = {"profile": "full", "samples_received": 7, "tokens": 1500, "onpolicy_tok_s": 210.0}
+    put(tmp_path / "metrics/extract.json", extract)  # 7: the last of a resumed run's attempts
     got = standing(tmp_path, "full")
+    assert got["extract"] == {"state": "finished", "wall_s": None, "git_commit": None,
+                              "tokens": 1500, "onpolicy_tok_s": 210.0}  # fmt: skip
     assert got["train"] == {"state": "finished", "wall_s": 99.0, "git_commit": None, "steps": 40,
                             "tokens": 900, "tau_sim": {"dspark": 1.31, "eagle3": 1.47}}  # fmt: skip
     assert got["evaluate"]["mean_tau"] == {"dspark": 1.4, "none": 1.0}
