@@ -45,14 +45,10 @@ def minor_faults(pid: int) -> int:
 
 def cell(ep: EndpointProcess, name: str, concurrency: int, params, requests, tmp) -> dict:
     faults = minor_faults(ep.proc.pid)
-    before = ep.stats()
     out = run_cell(ep, concurrency, params.benchmark.workload, params, requests, tmp)
-    after = ep.stats()
-    steps = max(out["steps"], 1)
     out["server"] = name
-    out["draft_steps"] = after["draft_steps"] - before["draft_steps"]
-    out["minflt_per_step"] = round((minor_faults(ep.proc.pid) - faults) / steps, 1)
-    out["scheduler"] = after.get("scheduler")
+    out["minflt_per_step"] = round((minor_faults(ep.proc.pid) - faults) / max(out["steps"], 1), 1)
+    out["scheduler"] = ep.stats().get("scheduler")  # its state after the cell
     return out
 
 

@@ -167,10 +167,14 @@ def run_cell(ep: EndpointProcess, concurrency: int, workload: str, params, reque
 def step_costs(before: dict, after: dict) -> dict:
     steps = after["steps"] - before["steps"]
     draft, verify = after["draft_s"] - before["draft_s"], after["verify_s"] - before["verify_s"]
+    # Steps that drafted (`dspark_adaptive` skips drafting where it does not pay).
+    drafted = after.get("draft_steps", 0) - before.get("draft_steps", 0)
     if steps <= 0:
-        return {"steps": 0, "draft_ms": None, "verify_ms": None, "draft_share": None}
+        return {"steps": 0, "draft_steps": 0, "draft_ms": None, "verify_ms": None,
+                "draft_share": None}  # fmt: skip
     return {
         "steps": steps,
+        "draft_steps": drafted,
         "draft_ms": round(draft * 1000 / steps, 2),
         "verify_ms": round(verify * 1000 / steps, 2),
         "draft_share": round(draft / (draft + verify), 4) if draft + verify > 0 else None,

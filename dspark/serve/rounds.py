@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 
-SUMMED = ("requests", "errors", "tokens", "steps", "wall_s")
+SUMMED = ("requests", "errors", "tokens", "steps", "draft_steps", "wall_s")
 PER_STEP = ("draft_ms", "verify_ms")  # averaged over all rounds' steps
 KEYS = ("mode", "concurrency", "workload")
 

@@ -6,6 +6,7 @@ import pytest
 
 from dspark.config import load_params
 from dspark.serve.bench import assemble
+from dspark.serve.measure import step_costs
 from dspark.serve.report import goal_lines
 from dspark.serve.rounds import merge_rounds, paired_ratio, rotated, round_max, spread
 
@@ -43,9 +44,9 @@ def test_each_round_starts_at_the_next_mode():
 
 def test_merged_cell_has_medians_sums_and_step_weighted_costs():
     rounds = [
-        [_cell("none", 10.0), _cell("dspark", 20.0, steps=10, draft_ms=2.0)],
-        [_cell("dspark", 30.0, steps=30, draft_ms=6.0), _cell("none", 12.0)],  # rotated
-        [_cell("none", 50.0), _cell("dspark", 25.0, steps=10, draft_ms=2.0)],
+        [_cell("none", 10.0), _cell("dspark", 20.0, steps=10, draft_ms=2.0, draft_steps=1)],
+        [_cell("dspark", 30.0, steps=30, draft_ms=6.0, draft_steps=3), _cell("none", 12.0)],
+        [_cell("none", 50.0), _cell("dspark", 25.0, steps=10, draft_ms=2.0, draft_steps=1)],
     ]
     none, dspark = merge_rounds(rounds)
     assert (none["mode"], dspark["mode"]) == ("none", "dspark")  # the first round's order
@@ -54,6 +55,7 @@ def test_merged_cell_has_medians_sums_and_step_weighted_costs():
     assert dspark["tok_s_rounds"] == [20.0, 30.0, 25.0]
     assert (none["requests"], none["tokens"], none["steps"], none["wall_s"]) == (6, 300, 30, 4.5)
     assert dspark["draft_ms"] == pytest.approx((20 + 180 + 20) / 50)  # over all 50 steps
+    assert dspark["draft_steps"] == 5  # counted over the rounds, like steps
     assert dspark["draft_share"] == pytest.approx(4.4 / 13.4, abs=1e-4)
     assert none["itl_p50_ms"] is None and none["mode"] == "none"
 
@@ -132,3 +134,12 @@ def test_the_goal_thresholds_are_the_configs(goal, met):
     lines = goal_lines(goals)
     assert any(x.startswith(f"goal single stream >= {goal}x") for x in lines)
     assert any(x.startswith("goal TTFT overhead <= 50%") for x in lines)
+
+
+def test_a_cells_step_costs_count_the_steps_that_drafted():
+    before = {"steps": 5, "draft_steps": 2, "draft_s": 0.1, "verify_s": 0.4}
+    after = {"steps": 15, "draft_steps": 4, "draft_s": 0.3, "verify_s": 1.4}
+    costs = step_costs(before, after)
+    assert (costs["steps"], costs["draft_steps"]) == (10, 2)
+    assert (costs["draft_ms"], costs["verify_ms"]) == (20.0, 100.0)
+    assert step_costs(after, after)["draft_steps"] == 0
