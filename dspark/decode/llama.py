@@ -75,7 +75,7 @@ class CachedAttention(Attention):
     def forward(self, x, rope, cache_k, cache_v, write_pos, mask, span, packing=None):
         """x [B, T, H] ([1, N, H] packed); cache_k/v [B, nkv, M, d] (this layer's, updated in
         place); write_pos [B, T]; mask [B, T, span]: which of the first `span` slots each
-        query sees."""
+        query sees (None: causal, T == span)."""
         s = self.s
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if packing is not None:
@@ -145,10 +145,12 @@ class Llama(nn.Module):
         span = last + 1  # no row reads past its last token
         slot = torch.arange(span, device=tokens.device)
         # Query at position p sees slots <= p; a padded query sees slot 0 (output unused).
-        mask = (slot[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
-        mask[..., 0] |= ~valid
-        rope = rope_cos_sin(positions, self.s.head_dim, self.s.rope_theta)
         b, t = tokens.shape
+        mask = None  # a prefill from position 0 of whole rows: the causal kernel, no mask
+        if not (t == span and bool(valid.all()) and bool((positions == slot).all())):
+            mask = (slot[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
+            mask[..., 0] |= ~valid
+        rope = rope_cos_sin(positions, self.s.head_dim, self.s.rope_theta)
         packing = None
         x = self.embed_tokens(tokens)
         if not bool(valid.all()):

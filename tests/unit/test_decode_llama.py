@@ -1,9 +1,11 @@
 """Our Llama forward against transformers' on the tiny target: prefill, ragged verification
 steps with padding, rewritten (rejected) positions, and tapped hidden states."""
 
+import pytest
 import torch
 
 from dspark.decode.llama import Llama
+from dspark.models.layers import gqa_attention
 
 
 def reference(tiny_target, ids):
@@ -50,3 +52,16 @@ def test_ragged_steps_with_padding_and_rewrites_match_transformers(tiny_target):
             p = lengths[r] + j
             diff = (got[r, j] - want[r, p]).abs().max().item()
             assert diff < 1e-4, (r, j, diff)
+
+
+def test_causal_kernel_equals_the_explicit_causal_mask():
+    """A prefill from position 0 takes SDPA's causal kernel (mask None); it must attend exactly
+    as the explicit lower-triangular mask does, grouped heads included."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 6, 17, 8, generator=gen)  # 6 query heads over 2 kv heads
+    k, v = torch.randn(2, 2, 17, 8, generator=gen), torch.randn(2, 2, 17, 8, generator=gen)
+    tril = torch.ones(17, 17, dtype=torch.bool).tril()
+    want = gqa_attention(q, k, v, tril)
+    assert (gqa_attention(q, k, v, None) - want).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="as many keys as queries"):
+        gqa_attention(q[:, :, :5], k, v, None)

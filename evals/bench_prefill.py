@@ -1,0 +1,102 @@
+"""Prefill benchmark: our Llama's long prefill on the real target, the causal kernel against the
+explicit mask, side by side.
+
+    python -m evals.bench_prefill [--profile P] [--lengths 1024 4096 8000] [--repeats 2]
+
+A prefill from position 0 over whole rows takes SDPA's causal kernel (no mask); any other call
+builds an explicit [B, T, span] mask. The `mask` column runs the same prompt with one padding
+column appended, which is exactly what sends a call down the mask path (the padded token is
+packed out of the projections and MLPs, so only the attention's path differs). The two run in
+turn, A B A B, and each figure is the median of `--repeats`. Needs the provision stage's
+artifacts/target (or materializes the profile's target into a temporary folder). Prints a table
+and writes metrics/prefill.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.config import load_params
+from dspark.decode.llama import Llama
+from dspark.metrics import write_metrics
+from dspark.models.target import load_target_for, materialize, set_threads
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prefill_s(model: Llama, ids: torch.Tensor, pad: bool) -> tuple[float, torch.Tensor]:
+    """Seconds for one prefill of ids [1, T] and its last logits; `pad` adds a padding column."""
+    t = ids.shape[1]
+    tokens, positions = ids, torch.arange(t)[None]
+    valid = torch.ones(1, t, dtype=torch.bool)
+    if pad:
+        tokens = torch.cat([ids, ids[:, :1]], 1)
+        positions = torch.arange(t + 1)[None]
+        valid = torch.cat([valid, torch.zeros(1, 1, dtype=torch.bool)], 1)
+    cache = model.new_cache(1, t + 1)
+    t0 = time.perf_counter()
+    logits, _ = model(tokens, positions, cache, valid, logits_at=torch.tensor([[t - 1]]))
+    return time.perf_counter() - t0, logits[0, 0]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default=None)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8000])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "prefill.json")
+    args = ap.parse_args(argv)
+    params = load_params(ROOT / "params.yaml", args.profile)
+    threads = set_threads(None)
+    target_dir = ROOT / "artifacts" / "target"
+    with tempfile.TemporaryDirectory() as tmp:
+        if not target_dir.exists():
+            target_dir = Path(tmp) / "target"
+            materialize(params.target, target_dir)
+        target = load_target_for(params.target, target_dir)
+    model = Llama.from_hf(target.model)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for length in args.lengths:
+        if length + 1 > target.max_context:
+            raise SystemExit(f"--lengths: {length} exceeds the target's {target.max_context}")
+        ids = torch.randint(0, target.vocab_size, (1, length), generator=gen)
+        times: dict[str, list[float]] = {"causal": [], "mask": []}
+        last: dict[str, torch.Tensor] = {}
+        for _ in range(args.repeats):
+            for name in times:
+                s, last[name] = prefill_s(model, ids, pad=name == "mask")
+                times[name].append(s)
+        causal, mask = (statistics.median(times[k]) for k in ("causal", "mask"))
+        rows.append(
+            {
+                "tokens": length,
+                "causal_s": round(causal, 3),
+                "mask_s": round(mask, 3),
+                "speedup": round(mask / causal, 3),
+                "max_logit_diff": float((last["causal"] - last["mask"]).abs().max()),
+                "runs_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
+            }
+        )
+    print(f"{'tokens':>7} {'causal s':>9} {'mask s':>8} {'mask/causal':>12} {'max |dlogit|':>13}")
+    for r in rows:
+        print(
+            f"{r['tokens']:>7} {r['causal_s']:>9.2f} {r['mask_s']:>8.2f} {r['speedup']:>12.2f}"
+            f" {r['max_logit_diff']:>13.2e}"
+        )
+    write_metrics(
+        args.out,
+        params.profile,
+        {"target": target.name, "threads": threads, "repeats": args.repeats, "rows": rows},
+    )
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+
+
+if __name__ == "__main__":
+    main()
