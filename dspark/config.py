@@ -555,8 +555,9 @@ class BenchmarkConfig(Section):
     goals: BenchmarkGoals = BenchmarkGoals()
     rounds: PosInt = Field(
         1,
-        description="each cell's modes are measured this many times, the order rotated each "
-        "round; figures are medians over rounds, ratios medians of same-round ratios",
+        description="each cell's modes are measured this many times, each round on freshly "
+        "started endpoints, the order rotated each round; figures are medians over rounds, "
+        "ratios medians of same-round ratios",
     )
 
     @model_validator(mode="after")

@@ -6,7 +6,7 @@ runs or changes a stage.
     extract    artifacts/hidden/manifest.json artifacts/hidden/resume.json (shards on disk)
     train      metrics/train.json            artifacts/checkpoints/train/state.json
     evaluate   metrics/eval.json             artifacts/eval_records/*.jsonl (decodes recorded)
-    benchmark  metrics/bench.json            artifacts/bench_records/*.jsonl (cells recorded)
+    benchmark  metrics/bench.json            artifacts/bench_records/*.jsonl (cell rounds recorded)
     others     metrics/<stage>.json          -
 
 A stage is finished when its metrics file was written for the profile asked about (a checkout

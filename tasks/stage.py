@@ -30,14 +30,8 @@ def dvc(args: list[str], root: Path, **kwargs) -> tuple[int, str]:
     return proc.run([str(BIN / "dvc"), *args], cwd=root, env=tool_env(), **kwargs)
 
 
-def is_up_to_date(name: str, root: Path) -> bool:
-    rc, out = dvc(["status", "--json", name], root)
-    if rc != 0:
-        return False
-    try:
-        return json.loads(out.strip().splitlines()[-1] if out.strip() else "{}") == {}
-    except json.JSONDecodeError:
-        return False
+# What `dvc repro` prints for a stage it did not run: up to date, or restored from its run-cache.
+SKIPPED = ("didn't change, skipping", "from run-cache", "is cached - skipping")
 
 
 @task(name="stage", task_run_name="{name}")
@@ -47,7 +41,6 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
     stage = stages.get(name)
     params = load_params(root_path / "params.yaml", profile=profile)
     tracker = Tracker(params, root_path)
-    cached = is_up_to_date(name, root_path)
     run_id = tracker.start(
         name,
         parent=parent_run_id,
@@ -99,20 +92,27 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
                 tracker.metrics(child(draft), values, step=e["step"], timestamp_ms=ts)
 
     ok = False
+    # The stage's events are this run's only: the last run's are set aside, and put back if
+    # DVC skips the stage (its metrics then are still that run's). No `dvc status` first: it
+    # cost a DVC start (2-4 s) per stage.
+    aside = events_path.with_name(events_path.name + ".last")
+    if events_path.exists():
+        events_path.replace(aside)
     try:
-        if not cached:
-            events_path.unlink(missing_ok=True)
         rc, out = dvc(
             ["repro", "--single-item", name],
             root_path,
             on_line=logger.info,
-            every=None if cached else follow,
+            every=follow,
             grace=stage.stop_grace_s,
         )
+        cached = rc == 0 and any(s in out for s in SKIPPED)
+        if cached and aside.exists():
+            aside.replace(events_path)
+        aside.unlink(missing_ok=True)
         if rc != 0:
             tail = " | ".join(out.strip().splitlines()[-3:])
             raise RuntimeError(f"stage {name} failed (dvc repro exit {rc}): {tail}")
-        cached = cached or "from run-cache" in out or "is cached - skipping" in out
         doc = json.loads((root_path / stage.metrics).read_text())
         tracker.metrics(run_id, doc)
         tracker.tags(run_id, {"cached": str(cached).lower(), **dvc_lock_hashes(root_path, name)})

@@ -6,9 +6,11 @@ at concurrency 1 from tau and step costs, and where fixed-k speculation stops pa
 A cell is (mode, concurrency, workload): `requests_per_client` x c requests (at least
 `min_requests`), closed loop, after the mode's warm-up requests. All modes' endpoints run at once
 (idle ones cost nothing) and each cell is run for every mode in turn, so ratios compare
-measurements taken side by side. Around each cell the server's step counters are read, so each
-cell knows its steps and how its time split between drafting and verification. Mode `none_vllm`
-(opt-in) serves vLLM's own server instead of ours: see `vllm_mode.py`.
+measurements taken side by side. Each round starts every endpoint afresh, so medians over rounds
+sample the process a mode happens to run in, not one process's luck. Around each cell the
+server's step counters are read, so each cell knows its steps and how its time split between
+drafting and verification. Mode `none_vllm` (opt-in) serves vLLM's own server instead of ours:
+see `vllm_mode.py`.
 
     endpoints.py  a mode's `dspark endpoint` process
     workload.py   the requests and the cells
@@ -82,8 +84,8 @@ def benchmark(
 
         verify_costs: list[dict] = []
         records = bench_records(params, paths)
-        # An earlier, stopped run's cells (a cell is one mode's; each of these was measured
-        # side by side with the other modes of its concurrency and workload).
+        # An earlier, stopped run's measurements (one mode's cell in one round; each was
+        # measured side by side with the other modes of its cell and round).
         resumed = sum(len(r["cells"]) for r in records.done.values())
         cells = measure(
             params,

@@ -1,6 +1,7 @@
-"""The benchmark's measure loop: every mode's endpoint up at once, then each cell driven by the
-load client (a subprocess) for every mode in turn, with the server's step counters read around
-it; and transformers' generate timed alone, the other `none`."""
+"""The benchmark's measure loop, round by round: every mode's endpoint started afresh and up at
+once, then each cell driven by the load client (a subprocess) for every mode in turn, with the
+server's step counters read around it; and transformers' generate timed alone, the other
+`none`."""
 
 from __future__ import annotations
 
@@ -55,43 +56,96 @@ def measure(
     verify_costs: list[dict] | None = None,
     records: Records | None = None,
 ) -> list[dict]:
-    """Every mode's endpoint up at once (its log in `logs`), then each cell run mode after mode:
-    the modes of a cell are measured minutes apart at most, so the machine's drift shows in
-    every one alike (on this shared 2-core machine one mode's step time moves 15% between
-    loads). `single` measures one more cell beside the single-stream ones (transformers'
-    generate). The verify-cost tables the endpoints profiled at start ({mode: table}) go into
-    `verify_costs`, one entry per start that measured cells.
+    """Every cell, round by round: each round starts a fresh endpoint per mode (its log in
+    `logs`), warms them up and runs each cell mode after mode, in an order rotated by one mode
+    each round, then stops them. A cell's modes are measured minutes apart at most, so the
+    machine's drift shows in every one alike (on this shared 2-core machine one mode's step
+    time moves 15% between loads); and each round measures every mode in a new process, so
+    the medians over rounds also sample the luck of the process (the same one-token step
+    differs by up to 30% from one process to the next: evals/bench_decode_step.py). Rounds are
+    merged per cell by `rounds.merge_rounds`. `single` measures one more cell beside the
+    single-stream ones (transformers' generate). The verify-cost tables the endpoints profiled
+    at start ({mode: table}) go into `verify_costs`, one entry per start that measured cells.
 
-    With `benchmark.rounds` above 1, each cell's modes are measured that many times, each
-    round in a rotated order, and merged (`rounds.merge_rounds`).
-
-    With `records`, each cell is recorded once all its modes are measured (with the tables it
-    ran under), and a rerun replays the recorded ones: a stopped benchmark goes on at the first
-    cell it had not finished, and every cell's modes were still measured side by side."""
+    With `records`, each round of a cell is recorded once all its modes are measured (with the
+    tables it ran under), and a rerun replays the recorded ones: a stopped benchmark goes on at
+    the first cell of the first round it had not finished."""
     verify_costs = [] if verify_costs is None else verify_costs
-    cfg, host = params.benchmark, params.serve.host
+    cfg = params.benchmark
     plan = cell_plan(params)
+    rounds = range(cfg.rounds)
 
-    def key(concurrency: int, workload: str) -> str:
-        return f"c={concurrency} {workload}"
+    def key(turn: int, concurrency: int, workload: str) -> str:
+        cell = f"c={concurrency} {workload}"
+        return f"round {turn + 1} {cell}" if cfg.rounds > 1 else cell
 
-    done = {key(*p): r for p in plan if records and (r := records.get(key(*p)))}
+    done = {
+        key(i, *p): r for i in rounds for p in plan if records and (r := records.get(key(i, *p)))
+    }
     for r in done.values():
         if r["verify_cost"] not in verify_costs:
             verify_costs.append(r["verify_cost"])
-    if len(done) == len(plan):
+    todo = [(i, p) for i in rounds for p in plan if key(i, *p) not in done]
+    if not todo:
         log(f"all {len(plan)} cells recorded by an earlier run: nothing to measure")
-        return [x for p in plan for x in done[key(*p)]["cells"]]
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+    total = sum(len(cfg.modes) + bool(single and p == (1, cfg.workload)) for _, p in todo)
+    runs = bar(total=total, desc="benchmark", unit="runs", enabled=progress) if todo else None
+    measured: dict[str, list[dict]] = {k: r["cells"] for k, r in done.items()}
+    with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         resolved = tmp / "params.json"
         write_json(resolved, params.model_dump(mode="json"))
-        started = {}
-        # The adaptive mode times the verify pass at start: it starts alone, after the rest.
-        quiet = [m for m in cfg.modes if m == "dspark_adaptive"]
-        for group in ([m for m in cfg.modes if m not in quiet], quiet):
+        for i in rounds:
+            tag = f"round {i + 1}/{cfg.rounds}: " if cfg.rounds > 1 else ""
+            mine = [p for p in plan if key(i, *p) not in done]
+            for c, workload in plan:
+                if (c, workload) not in mine:
+                    log(f"{tag}c={c:<3d} {workload:15s} recorded by an earlier run")
+            if not mine:
+                continue
+            # One log per mode and round: logs/<mode>.log, or <mode>.round<i>.log with rounds.
+            suffix = f".round{i + 1}" if cfg.rounds > 1 else ""
+            up = endpoints_up(params, resolved, target, drafts, (logs, suffix), root, log)
+            with up as endpoints:
+                tables = {ep.mode: t for ep in endpoints if (t := ep.stats().get("verify_cost"))}
+                verify_costs.append(tables)
+                warm_up(endpoints, requests, cfg, tmp, log)
+                for concurrency, workload in mine:
+                    group = []
+                    if single and (concurrency, workload) == (1, cfg.workload):
+                        group.append(single())
+                        runs.update(1)
+                        log(f"{tag}{'none_hf':16s} c=1   {workload:15s} {group[-1]['tok_s']} tok/s")
+                    for ep in rotated(endpoints, i):
+                        x = run_cell(ep, concurrency, workload, params, requests, tmp)
+                        group.append(x)
+                        runs.update(1)
+                        log(
+                            f"{tag}{ep.mode:16s} c={concurrency:<3d} {workload:15s} "
+                            f"{x['tok_s']} tok/s, TTFT p50 {x['ttft_p50_ms']} ms, tau {x['tau']}"
+                        )
+                    measured[key(i, concurrency, workload)] = group
+                    if records:
+                        records.put(key(i, concurrency, workload), cells=group, verify_cost=tables)
+    if runs is not None:
+        runs.close()
+    return [x for p in plan for x in merge_rounds([measured[key(i, *p)] for i in rounds])]
+
+
+@contextlib.contextmanager
+def endpoints_up(params: Params, resolved: Path, target, drafts, logs, root: Path, log):
+    """A fresh endpoint per mode, ready, in the order of `benchmark.modes`, each logging to
+    `<folder>/<mode><suffix>.log` (`logs` is (folder, suffix)); all stopped, their ports freed,
+    on exit. The adaptive mode times the verify pass at start: it starts alone, after the rest
+    are up."""
+    host, modes = params.serve.host, params.benchmark.modes
+    folder, suffix = logs
+    started = {}
+    quiet = [m for m in modes if m == "dspark_adaptive"]
+    with contextlib.ExitStack() as stack:
+        for group in ([m for m in modes if m not in quiet], quiet):
             for mode in group:
-                log_file = logs / f"{mode}.log"
+                log_file = folder / f"{mode}{suffix}.log"
                 if mode == VLLM_MODE:
                     ep = VllmEndpoint(params, target, root, host, log_file)
                 else:
@@ -104,49 +158,15 @@ def measure(
             for mode in group:
                 started[mode].wait_ready()
                 log(f"benchmark: {mode} ready")
-        endpoints = [started[m] for m in cfg.modes]
-        tables = {ep.mode: t for ep in endpoints if (t := ep.stats().get("verify_cost"))}
-        verify_costs.append(tables)
-        if cfg.warmup_requests:
-            log(f"benchmark: warm-up, {cfg.warmup_requests} request(s) per mode")
-        for ep in endpoints:
-            if cfg.warmup_requests:
-                run_client(
-                    ep.url, requests[cfg.workload], 1, cfg.warmup_requests, cfg, tmp, ep.client_args
-                )
-        cells = []
-        todo = [p for p in plan if key(*p) not in done]
-        total = len(todo) * cfg.rounds * len(endpoints)
-        total += cfg.rounds if single and (1, cfg.workload) in todo else 0
-        runs = bar(total=total, desc="benchmark", unit="runs", enabled=progress)
-        for concurrency, workload in plan:
-            if key(concurrency, workload) in done:
-                cells += done[key(concurrency, workload)]["cells"]
-                log(f"c={concurrency:<3d} {workload:15s} recorded by an earlier run")
-                continue
-            rounds = []
-            for i in range(cfg.rounds):
-                tag = f"round {i + 1}/{cfg.rounds}: " if cfg.rounds > 1 else ""
-                group = []
-                if single and (concurrency, workload) == (1, cfg.workload):
-                    group.append(single())
-                    runs.update(1)
-                    log(f"{tag}{'none_hf':16s} c=1   {workload:15s} {group[-1]['tok_s']} tok/s")
-                for ep in rotated(endpoints, i):
-                    group.append(run_cell(ep, concurrency, workload, params, requests, tmp))
-                    runs.update(1)
-                    x = group[-1]
-                    log(
-                        f"{tag}{ep.mode:16s} c={concurrency:<3d} {workload:15s} "
-                        f"{x['tok_s']} tok/s, TTFT p50 {x['ttft_p50_ms']} ms, tau {x['tau']}"
-                    )
-                rounds.append(group)
-            group = merge_rounds(rounds)
-            if records:
-                records.put(key(concurrency, workload), cells=group, verify_cost=tables)
-            cells += group
-        runs.close()
-        return cells
+        yield [started[m] for m in modes]
+
+
+def warm_up(endpoints, requests, cfg, tmp: Path, log) -> None:
+    if not cfg.warmup_requests:
+        return
+    log(f"benchmark: warm-up, {cfg.warmup_requests} request(s) per mode")
+    for ep in endpoints:
+        run_client(ep.url, requests[cfg.workload], 1, cfg.warmup_requests, cfg, tmp, ep.client_args)
 
 
 def run_cell(ep: EndpointProcess, concurrency: int, workload: str, params, requests, tmp):

@@ -300,9 +300,9 @@ def test_benchmark_stage(workdir, tmp_path):
         logs=tmp_path / "logs",
         records=tmp_path / "records",
     )
-    # Stopped while measuring its last cell (c=2 mix), then after measuring everything: each
+    # Two rounds, each on freshly started endpoints and starting from the next mode. Stopped
+    # while measuring round 1's last cell (c=2 mix), then after measuring everything: each
     # rerun measures only what was not recorded, and the last one starts no endpoint at all.
-    # Two rounds: each cell's modes twice, the second time starting from the next mode.
     params = bench_params("benchmark.rounds=2")
     first, second, lines = [], [], []
     with pytest.raises(_Stop):
@@ -310,16 +310,27 @@ def test_benchmark_stage(workdir, tmp_path):
     with pytest.raises(_Stop):
         benchmark(params, paths, workdir, log=_stop_at("predicted single-stream", second))
     assert sum("recorded by an earlier run" in line for line in second) == 2
-    measured = [line.split()[:3] for line in second if " tok/s, TTFT p50 " in line]
-    assert measured == [  # the mix cell's modes, in each round's order
-        ["round", "1/2:", "none"], ["round", "1/2:", "dspark_fixed"],
-        ["round", "1/2:", "dspark_adaptive"], ["round", "2/2:", "dspark_fixed"],
-        ["round", "2/2:", "dspark_adaptive"], ["round", "2/2:", "none"],
-    ]  # fmt: skip
+    measured = [tuple(line.split()[1:5]) for line in second if " tok/s, TTFT p50 " in line]
+    one, two = (
+        ["none", "dspark_fixed", "dspark_adaptive"],
+        ["dspark_fixed", "dspark_adaptive", "none"],
+    )
+    cells = [("c=1", "math_reasoning"), ("c=2", "math_reasoning"), ("c=2", "mix")]
+    assert measured == [  # round 1's mix cell, then all of round 2, in each round's order
+        *(("1/2:", mode, "c=2", "mix") for mode in one),
+        *(("2/2:", mode, *cell) for cell in cells for mode in two),
+    ]
+    # Three starts of every endpoint: round 1 in each of the first two runs, then round 2.
+    assert sum(line.startswith("benchmark: starting none") for line in first + second) == 3
+    for turn in (1, 2):
+        log = (tmp_path / "logs" / f"dspark_adaptive.round{turn}.log").read_text()
+        assert "dspark endpoint: dspark_adaptive on http://" in log
     result = benchmark(params, paths, workdir, log=lines.append)
     assert lines[0] == "all 3 cells recorded by an earlier run: nothing to measure"
     assert not any(" tok/s, TTFT p50 " in line for line in lines)
-    assert result["resumed_cells"] == 10  # none_hf and 3 modes at c=1, 3 at c=2, 3 mixed
+    assert not any(line.startswith("benchmark: starting") for line in lines)
+    # A round's runs: none_hf and 3 modes at c=1, 3 at c=2, 3 mixed.
+    assert result["resumed_cells"] == 2 * 10
     assert not list((tmp_path / "records").glob("*.jsonl"))  # finished: nothing to resume
 
     cells = result["cells"]
@@ -343,7 +354,7 @@ def test_benchmark_stage(workdir, tmp_path):
     # Profiled at each start: the second start's table, and the first's for the cells it ran.
     table = result["verify_cost"]["dspark_adaptive"]
     assert table["tokens"][0] == 1 and len(table["ms"]) == len(table["tokens"]) >= 2
-    assert [set(t) for t in result["verify_cost_earlier"]] == [{"dspark_adaptive"}]
+    assert [set(t) for t in result["verify_cost_earlier"]] == [{"dspark_adaptive"}] * 2
     assert {"single_stream", "adaptive_loses_nowhere", "ttft_overhead"} <= set(result["goals"])
     assert (tmp_path / "plots" / "bench.png").stat().st_size > 0
     assert "tok/s" in (tmp_path / "report.md").read_text()
