@@ -30,8 +30,16 @@ def dvc(args: list[str], root: Path, **kwargs) -> tuple[int, str]:
     return proc.run([str(BIN / "dvc"), *args], cwd=root, env=tool_env(), **kwargs)
 
 
-# What `dvc repro` prints for a stage it did not run: up to date, or restored from its run-cache.
-SKIPPED = ("didn't change, skipping", "from run-cache", "is cached - skipping")
+def skipped(name: str, out: str) -> str | None:
+    """How `dvc repro --single-item NAME` left the stage unrun, from DVC's own lines for it (a
+    stage's command may print anything): "unchanged", "run-cache" (outputs restored from an
+    earlier run with the same inputs), or None when it ran."""
+    for line in out.splitlines():
+        if line.startswith(f"Stage '{name}' didn't change, skipping"):
+            return "unchanged"
+        if line.startswith(f"Stage '{name}' is cached - skipping run"):
+            return "run-cache"
+    return None
 
 
 @task(name="stage", task_run_name="{name}")
@@ -93,23 +101,28 @@ def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
 
     ok = False
     # The stage's events are this run's only: the last run's are set aside, and put back if
-    # DVC skips the stage (its metrics then are still that run's). No `dvc status` first: it
-    # cost a DVC start (2-4 s) per stage.
+    # DVC finds the stage unchanged (its metrics then are still that run's) or if the run never
+    # got going. No `dvc status` first: it cost a DVC start (2-4 s) per stage.
     aside = events_path.with_name(events_path.name + ".last")
     if events_path.exists():
         events_path.replace(aside)
     try:
-        rc, out = dvc(
-            ["repro", "--single-item", name],
-            root_path,
-            on_line=logger.info,
-            every=follow,
-            grace=stage.stop_grace_s,
-        )
-        cached = rc == 0 and any(s in out for s in SKIPPED)
-        if cached and aside.exists():
-            aside.replace(events_path)
-        aside.unlink(missing_ok=True)
+        try:
+            rc, out = dvc(
+                ["repro", "--single-item", name],
+                root_path,
+                on_line=logger.info,
+                every=follow,
+                grace=stage.stop_grace_s,
+            )
+        finally:
+            if aside.exists() and not events_path.exists():
+                aside.replace(events_path)  # unchanged, or stopped before the stage wrote any
+            aside.unlink(missing_ok=True)
+        how = skipped(name, out) if rc == 0 else None
+        cached = how is not None
+        if how == "run-cache":
+            events_path.unlink(missing_ok=True)  # the restored metrics are another run's
         if rc != 0:
             tail = " | ".join(out.strip().splitlines()[-3:])
             raise RuntimeError(f"stage {name} failed (dvc repro exit {rc}): {tail}")

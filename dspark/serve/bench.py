@@ -101,8 +101,9 @@ def benchmark(
             records=records,
         )
     result = assemble(params, cells)
-    # {mode: {"tokens": [...], "ms": [...]}} as profiled at the start that measured last;
-    # a resumed run's earlier starts profiled their own.
+    # {mode: {"tokens": [...], "ms": [...]}} as profiled at the start that measured last; every
+    # earlier start (each round starts its endpoints afresh, and a resumed run's earlier
+    # starts) profiled its own, kept in `verify_cost_earlier`.
     result["verify_cost"] = verify_costs[-1] if verify_costs else {}
     if len(verify_costs) > 1:
         result["verify_cost_earlier"] = verify_costs[:-1]

@@ -85,13 +85,18 @@ def measure(
     for r in done.values():
         if r["verify_cost"] not in verify_costs:
             verify_costs.append(r["verify_cost"])
+    measured: dict[str, list[dict]] = {k: r["cells"] for k, r in done.items()}
+
+    def merged() -> list[dict]:
+        return [x for p in plan for x in merge_rounds([measured[key(i, *p)] for i in rounds])]
+
     todo = [(i, p) for i in rounds for p in plan if key(i, *p) not in done]
     if not todo:
         log(f"all {len(plan)} cells recorded by an earlier run: nothing to measure")
+        return merged()
     total = sum(len(cfg.modes) + bool(single and p == (1, cfg.workload)) for _, p in todo)
-    runs = bar(total=total, desc="benchmark", unit="runs", enabled=progress) if todo else None
-    measured: dict[str, list[dict]] = {k: r["cells"] for k, r in done.items()}
-    with tempfile.TemporaryDirectory() as tmp:
+    runs = bar(total=total, desc="benchmark", unit="runs", enabled=progress)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.closing(runs):
         tmp = Path(tmp)
         resolved = tmp / "params.json"
         write_json(resolved, params.model_dump(mode="json"))
@@ -105,7 +110,7 @@ def measure(
                 continue
             # One log per mode and round: logs/<mode>.log, or <mode>.round<i>.log with rounds.
             suffix = f".round{i + 1}" if cfg.rounds > 1 else ""
-            up = endpoints_up(params, resolved, target, drafts, (logs, suffix), root, log)
+            up = endpoints_up(params, resolved, target, drafts, logs, root, log, suffix=suffix)
             with up as endpoints:
                 tables = {ep.mode: t for ep in endpoints if (t := ep.stats().get("verify_cost"))}
                 verify_costs.append(tables)
@@ -127,25 +132,23 @@ def measure(
                     measured[key(i, concurrency, workload)] = group
                     if records:
                         records.put(key(i, concurrency, workload), cells=group, verify_cost=tables)
-    if runs is not None:
-        runs.close()
-    return [x for p in plan for x in merge_rounds([measured[key(i, *p)] for i in rounds])]
+    return merged()
 
 
 @contextlib.contextmanager
-def endpoints_up(params: Params, resolved: Path, target, drafts, logs, root: Path, log):
+def endpoints_up(
+    params: Params, resolved: Path, target, drafts, logs: Path, root: Path, log, suffix: str = ""
+):
     """A fresh endpoint per mode, ready, in the order of `benchmark.modes`, each logging to
-    `<folder>/<mode><suffix>.log` (`logs` is (folder, suffix)); all stopped, their ports freed,
-    on exit. The adaptive mode times the verify pass at start: it starts alone, after the rest
-    are up."""
+    `logs/<mode><suffix>.log`; all stopped, their ports freed, on exit. The adaptive mode times
+    the verify pass at start: it starts alone, after the rest are up."""
     host, modes = params.serve.host, params.benchmark.modes
-    folder, suffix = logs
     started = {}
     quiet = [m for m in modes if m == "dspark_adaptive"]
     with contextlib.ExitStack() as stack:
         for group in ([m for m in modes if m not in quiet], quiet):
             for mode in group:
-                log_file = folder / f"{mode}{suffix}.log"
+                log_file = logs / f"{mode}{suffix}.log"
                 if mode == VLLM_MODE:
                     ep = VllmEndpoint(params, target, root, host, log_file)
                 else:
