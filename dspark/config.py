@@ -187,7 +187,13 @@ class ExtractConfig(Section):
         None, description="target layers tapped for the draft (default [2, L//2, L-3])"
     )
     wire_dtype: Dtype = Field("bfloat16", description="dtype of hidden states on the wire")
-    topk_logits: NonNegInt = Field(0, description="also send the top-k target logits (0: off)")
+    target_topk: NonNegInt = Field(
+        64,
+        description="also send the target's k most likely next tokens and their log-probabilities "
+        "at every supervised position, which the trainer's targets are built from instead of a "
+        "full-vocabulary lm_head per position and epoch (0: off, rebuild from the last hidden "
+        "state)",
+    )
     transport: Literal["mooncake", "files"] = Field(
         "mooncake", description="payload store: Mooncake, or a shared folder"
     )

@@ -81,7 +81,7 @@ def estimate(params: Params, arch: dict) -> dict:
     )
     num_aux = len(x.aux_layers) if x.aux_layers else 3
     wire = bytes_per_token(
-        num_aux=num_aux, hidden=arch["hidden_size"], wire_dtype=x.wire_dtype, topk=x.topk_logits
+        num_aux=num_aux, hidden=arch["hidden_size"], wire_dtype=x.wire_dtype, topk=x.target_topk
     )
     samples = p.num_samples or max(1, (p.token_budget or 0) // seq)
     tokens = samples * seq

@@ -4,7 +4,9 @@ Shape glossary:
     S  tokens in the sample (prompt + response)
     L  tapped aux layers (extract.aux_layers)
     H  target hidden size
-    k  top-k logits kept per token (extract.topk_logits; absent when 0)
+    R  supervised positions: those whose next token is a response token (loss_mask[1:])
+    k  the target's top-k next-token log-probabilities kept per supervised position
+       (extract.target_topk; absent when 0)
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-SCHEMA_VERSION = 1
+# 2: the target's top-k are log-probabilities at the supervised positions only
+SCHEMA_VERSION = 2
 
 WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,8 +32,16 @@ class Sample:
     loss_mask: torch.Tensor  # [S] bool, True on response tokens
     aux_hidden: torch.Tensor  # [L, S, H] wire dtype
     last_hidden: torch.Tensor  # [S, H] wire dtype: the frozen lm_head rebuilds target logits
-    topk_values: torch.Tensor | None = None  # [S, k] wire dtype
-    topk_indices: torch.Tensor | None = None  # [S, k] int32
+    # The target's k most likely next tokens and their log-probabilities (normalized over the
+    # whole vocabulary) at the R supervised positions, in order: the trainer's targets without
+    # a full-vocabulary lm_head per position and epoch.
+    target_logprobs: torch.Tensor | None = None  # [R, k] float32
+    target_ids: torch.Tensor | None = None  # [R, k] int32
+
+    @property
+    def supervised(self) -> torch.Tensor:
+        """[R] the positions t whose next token t+1 is a response token."""
+        return self.loss_mask[1:].nonzero()[:, 0]
 
     @property
     def num_tokens(self) -> int:
@@ -47,13 +58,13 @@ class Sample:
             )
         h = self.aux_hidden.shape[2]
         _expect(self.last_hidden, (s, h), self.aux_hidden.dtype, "last_hidden")
-        if (self.topk_values is None) != (self.topk_indices is None):
-            raise SampleError("topk_values and topk_indices come together")
-        if self.topk_values is not None:
-            k = self.topk_values.shape[-1]
-            _expect(self.topk_values, (s, k), self.aux_hidden.dtype, "topk_values")
-            _expect(self.topk_indices, (s, k), torch.int32, "topk_indices")
-        for name in ("aux_hidden", "last_hidden", "topk_values"):
+        if (self.target_logprobs is None) != (self.target_ids is None):
+            raise SampleError("target_logprobs and target_ids come together")
+        if self.target_logprobs is not None:
+            r, k = int(self.loss_mask[1:].sum()), self.target_logprobs.shape[-1]
+            _expect(self.target_logprobs, (r, k), torch.float32, "target_logprobs")
+            _expect(self.target_ids, (r, k), torch.int32, "target_ids")
+        for name in ("aux_hidden", "last_hidden", "target_logprobs"):
             t = getattr(self, name)
             if t is not None and not torch.isfinite(t).all():
                 raise SampleError(f"sample {self.sample_id}: {name} has non-finite values")
@@ -67,9 +78,9 @@ class Sample:
             "aux_hidden": self.aux_hidden,
             "last_hidden": self.last_hidden,
         }
-        if self.topk_values is not None:
-            out["topk_values"] = self.topk_values
-            out["topk_indices"] = self.topk_indices
+        if self.target_logprobs is not None:
+            out["target_logprobs"] = self.target_logprobs
+            out["target_ids"] = self.target_ids
         return out
 
     @classmethod
@@ -83,8 +94,8 @@ class Sample:
             loss_mask=tensors["loss_mask"],
             aux_hidden=tensors["aux_hidden"],
             last_hidden=tensors["last_hidden"],
-            topk_values=tensors.get("topk_values"),
-            topk_indices=tensors.get("topk_indices"),
+            target_logprobs=tensors.get("target_logprobs"),
+            target_ids=tensors.get("target_ids"),
         ).validate()
 
     def nbytes(self) -> int:
@@ -99,7 +110,8 @@ def _expect(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, name: s
 
 
 def bytes_per_token(*, num_aux: int, hidden: int, wire_dtype: str, topk: int = 0) -> int:
-    """Wire bytes per token for hidden-only (plus optional top-k) samples."""
+    """Wire bytes per token for hidden-only samples, plus the target's top-k where asked (an
+    upper bound: only supervised positions carry it)."""
     size = WIRE_DTYPES[wire_dtype].itemsize
     hidden_bytes = (num_aux + 1) * hidden * size
-    return 4 + 1 + hidden_bytes + (topk * (size + 4) if topk else 0)
+    return 4 + 1 + hidden_bytes + topk * (4 + 4)

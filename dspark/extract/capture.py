@@ -2,7 +2,10 @@
 
 Forward hooks on the decoder layers pick up each tapped layer's output; the last layer's output
 is kept before the final norm, so the frozen `lm_head(norm(h))` rebuilds the target's logits on
-the training side. Only the backbone runs (no lm_head) unless top-k logits are requested.
+the training side. With `topk`, the target's k most likely next tokens and their log-probabilities
+are kept too, at the supervised positions only: the trainer's targets then cost a scatter, not a
+full-vocabulary lm_head per position and epoch. Only the backbone runs here (no lm_head) unless
+they are asked for and were not already computed (the on-policy decoder hands in its own).
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ def resolve_aux_layers(layers: list[int] | None, num_layers: int) -> list[int]:
     if len(set(layers)) != len(layers):
         raise ConfigError("extract.aux_layers: a layer is listed twice")
     return list(layers)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, V] logits -> the k most likely tokens' log-probabilities [N, k] float32 (normalized
+    over all V) and their ids [N, k] int32, most likely first."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return values.contiguous(), ids.to(torch.int32).contiguous()
 
 
 class HiddenStateCapture:
@@ -78,22 +88,23 @@ class HiddenStateCapture:
         input_ids: torch.Tensor,  # [S]
         loss_mask: torch.Tensor,  # [S]
         states: dict[int, torch.Tensor],  # {layer: [S, H]} for the aux layers and the last
+        target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,  # [R, k] each, if known
     ) -> Sample:
         """The Sample of these tokens' states, however they were computed (a forward here, or
-        our engine as it decoded them)."""
+        our engine as it decoded them, which also hands in the top-k it chose tokens from)."""
         aux = torch.stack([states[i] for i in self.aux_layers])  # [L, S, H]
         last = states[self.target.num_layers - 1]  # [S, H], before the final norm
-        topk_values = topk_indices = None
-        if self.topk:
-            logits = self.target.lm_head(self.target.norm(last))  # [S, V]
-            values, indices = logits.topk(self.topk, dim=-1)  # [S, k]
-            topk_values, topk_indices = values.to(self.wire_dtype), indices.to(torch.int32)
+        if self.topk and target_topk is None:
+            where = loss_mask[1:].nonzero()[:, 0]  # the supervised positions
+            logits = self.target.lm_head(self.target.norm(last[where]))  # [R, V]
+            target_topk = topk_logprobs(logits, self.topk)
+        logprobs, ids = target_topk if self.topk else (None, None)
         return Sample(
             sample_id=sample_id,
             input_ids=input_ids.to(torch.int32),
             loss_mask=loss_mask.to(torch.bool),
             aux_hidden=aux.to(self.wire_dtype).contiguous(),
             last_hidden=last.to(self.wire_dtype).contiguous(),
-            topk_values=topk_values,
-            topk_indices=topk_indices,
+            target_logprobs=logprobs,
+            target_ids=ids,
         ).validate()

@@ -11,6 +11,10 @@ extract stage's full forward has too; the token that step chooses is dropped.
 Decoding is greedy, like the prepare stage's default: the same tokens as transformers' greedy
 `generate`, up to float noise between a batched and a one-row forward.
 
+With `topk`, each position's top-k log-probabilities are taken from the very logits its next
+token was chosen from (`LogitsTap`), so the trainer's targets cost the producer nothing more
+than a log-softmax and a top-k per step.
+
 Shape glossary: B rows, S positions of a sample, H hidden.
 """
 
@@ -25,6 +29,7 @@ from dspark.decode.engine import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.replay import Recorder
 from dspark.decode.sampling import GREEDY
+from dspark.extract.capture import topk_logprobs
 
 
 @dataclass
@@ -33,6 +38,24 @@ class Answered:
     input_ids: list[int]  # prompt + response (EOS included if reached)
     prompt_len: int
     feats: dict[int, torch.Tensor]  # {layer: [S, H]} outputs of the tapped layers
+    # The target's top-k at the R supervised positions (prompt_len-1 onwards): log-probs
+    # [R, k] float32 and ids [R, k] int32; None without `topk`.
+    target_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class LogitsTap:
+    """The target's `Llama` for `SpecDecoder`, keeping the logits of its last call."""
+
+    def __init__(self, llama: Llama):
+        self.llama = llama
+        self.logits: torch.Tensor | None = None  # [B, T, V] of the last call
+
+    def new_cache(self, batch: int, slots: int):
+        return self.llama.new_cache(batch, slots)
+
+    def __call__(self, *args, **kwargs):
+        self.logits, feats = self.llama(*args, **kwargs)
+        return self.logits, feats
 
 
 class OnPolicyDecoder:
@@ -48,6 +71,7 @@ class OnPolicyDecoder:
         rows: int,
         max_prompt_tokens: int,
         max_new_tokens: int,
+        topk: int = 0,
     ):
         if max_prompt_tokens + max_new_tokens > max_context:
             raise ValueError(
@@ -56,13 +80,16 @@ class OnPolicyDecoder:
             )
         self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
         self.recorder = Recorder(taps)
-        self.dec = SpecDecoder(llama, self.recorder, eos_id, max_context)
+        self.topk = topk
+        self.tap = LogitsTap(llama)
+        self.dec = SpecDecoder(self.tap if topk else llama, self.recorder, eos_id, max_context)
         # The dropped token after a row's last one is written one past it.
         self.rows = self.dec.new_rows(rows, max_prompt_tokens + max_new_tokens + 1)
         self.key: list[Hashable | None] = [None] * rows
         self.prompt_len = [0] * rows
         self.made = [0] * rows  # response tokens so far
         self.closing = [False] * rows  # the last token is in: one more step for its states
+        self.kept: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(rows)]
 
     @property
     def free(self) -> list[int]:
@@ -81,6 +108,9 @@ class OnPolicyDecoder:
         first = self.dec.admit(self.rows, r, prompt, GREEDY, None)
         self.key[r], self.prompt_len[r], self.made[r] = key, len(prompt), 1
         self.closing[r] = self._ends(first, 1)
+        if self.topk:  # the prompt's last position chose the first response token
+            values, ids = topk_logprobs(self.tap.logits[:, 0], self.topk)  # [1, k]
+            self.kept[r] = [(values[0], ids[0])]
 
     def drop(self, wanted: Callable[[Hashable], bool]) -> int:
         """Free the rows whose key is no longer `wanted` (work nobody will take) -> how many."""
@@ -98,16 +128,23 @@ class OnPolicyDecoder:
         rows = self.rows
         anchor = rows.n.clone()  # each row's last token: this step computes its states
         st = self.dec.step(rows, GREEDY, None, draft=False)
+        top = topk_logprobs(self.tap.logits[:, 0], self.topk) if self.topk else None  # [B, k]
         done = []
         for r in torch.nonzero(st.count).flatten().tolist():
-            if self.closing[r]:
+            if self.closing[r]:  # its last position predicts past the sample: nothing to keep
                 length = int(anchor[r]) + 1
                 feats = {i: f[r, :length].clone() for i, f in self.recorder.feats.items()}
                 ids = rows.seq[r, :length].tolist()
-                done.append(Answered(self.key[r], ids, self.prompt_len[r], feats))
+                kept = None
+                if top is not None:
+                    values, tokens = zip(*self.kept[r], strict=True)
+                    kept = (torch.stack(values), torch.stack(tokens))
+                done.append(Answered(self.key[r], ids, self.prompt_len[r], feats, kept))
                 rows.active[r] = False
                 self.key[r] = None
                 continue
+            if top is not None:
+                self.kept[r].append((top[0][r], top[1][r]))
             self.made[r] += 1
             self.closing[r] = self._ends(int(st.tokens[r, 0]), self.made[r])
         return done

@@ -280,6 +280,7 @@ class Answering:
                 self.cfg.rows,
                 self.cfg.max_prompt_tokens,
                 self.cfg.max_new_tokens,
+                topk=self.cfg.topk,
             )
         return self.decoder
 
@@ -314,7 +315,9 @@ class Answering:
     def _package(self, answered):
         ids = torch.tensor(answered.input_ids, dtype=torch.int32)
         mask = torch.arange(len(ids)) >= answered.prompt_len
-        return self.capture.package(answered.key[2], ids, mask, answered.feats)
+        return self.capture.package(
+            answered.key[2], ids, mask, answered.feats, answered.target_topk
+        )
 
 
 def _raise(message: str):

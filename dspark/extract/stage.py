@@ -173,7 +173,7 @@ def open_stream(
                 shards_dir=str(shards_dir),
                 aux_layers=aux,
                 wire_dtype=x.wire_dtype,
-                topk=x.topk_logits,
+                topk=x.target_topk,
                 store=x.transport,
                 master=master.address if master else "",
                 files_dir=str(scratch / "payloads"),
@@ -226,7 +226,7 @@ def resume_fingerprint(params: Params, target_dir: Path, shards_dir: Path) -> st
         "target": params.target.model_dump(mode="json"),
         "aux_layers": resolve_aux_layers(x.aux_layers, _num_layers(target_dir)),
         "wire_dtype": x.wire_dtype,
-        "topk_logits": x.topk_logits,
+        "target_topk": x.target_topk,
         "answering": [p.engine, p.max_prompt_tokens, p.max_new_tokens],
         "schema_version": SCHEMA_VERSION,
     }

@@ -1,6 +1,9 @@
 """From streamed samples to what both drafts train on: padded tensors plus the target's own
-next-token distribution over the draft vocabulary, rebuilt with the frozen final norm and lm_head
-from the last layer's hidden states (the stream carries hidden states, not logits).
+next-token distribution over the draft vocabulary. A sample that carries the target's top-k
+(extract.target_topk) gives it directly: its k most likely tokens' probabilities, scattered onto
+the draft vocabulary, exact but for the mass beyond the k (which then counts as mass no draft can
+match). Otherwise it is rebuilt with the frozen final norm and lm_head from the last layer's
+hidden states, a full-vocabulary matmul per supervised position and epoch.
 
 Shape glossary: B samples, S padded length, L aux layers, H hidden, d draft vocabulary.
 Position t's target distribution is the target's prediction of token t+1.
@@ -43,6 +46,9 @@ class TargetHead(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.register_buffer("draft_ids", draft_ids.to(torch.int64), persistent=False)
+        index = torch.full((lm_head.weight.shape[0],), -1, dtype=torch.int64)
+        index[draft_ids.to(torch.int64)] = torch.arange(draft_ids.numel())
+        self.register_buffer("draft_index", index, persistent=False)  # [V]: -1 outside
         self.requires_grad_(False)
 
     @torch.no_grad()
@@ -51,6 +57,16 @@ class TargetHead(nn.Module):
         w = self.lm_head.weight
         logits = self.lm_head(self.norm(last_hidden.to(w.dtype)).to(w.dtype)).float()  # [T, V]
         return torch.softmax(logits, dim=-1)[:, self.draft_ids]
+
+    @torch.no_grad()
+    def probs_from_topk(self, logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The target's top-k, log-probs [T, k] and token ids [T, k] -> [T, d] probabilities of
+        the draft tokens (0 for those outside the k)."""
+        where = self.draft_index[ids.to(self.draft_index.device, torch.int64)]  # [T, k]
+        mass = torch.where(where >= 0, logprobs.to(where.device).exp(), 0.0)
+        out = torch.zeros(ids.shape[0], self.draft_ids.numel(), device=where.device)
+        # The k ids are distinct, so only the padding (index 0, adding 0) can collide.
+        return out.scatter_add_(1, where.clamp_min(0), mass)
 
 
 def collate(samples: list[Sample], head: TargetHead) -> Batch:
@@ -72,9 +88,16 @@ def collate(samples: list[Sample], head: TargetHead) -> Batch:
         aux[i, :n] = x.aux_hidden.to(dev, torch.float32).permute(1, 0, 2).reshape(n, num_aux * h)
         valid[i, : n - 1] = x.loss_mask[1:].to(dev)
         where = valid[i].nonzero()[:, 0]  # only supervised positions need the lm_head
-        if where.numel():
-            p_target[i, where] = probs = head.probs(x.last_hidden.to(dev)[where])
-            labels[i, where] = probs.argmax(-1)
+        if not where.numel():
+            continue
+        if x.target_logprobs is not None:  # R = the sample's supervised positions = `where`
+            probs = head.probs_from_topk(x.target_logprobs, x.target_ids)
+            # No draft token among the k: nothing to take the argmax of.
+            label = torch.where(probs.sum(-1) > 0, probs.argmax(-1), -1)
+        else:
+            probs = head.probs(x.last_hidden.to(dev)[where])
+            label = probs.argmax(-1)
+        p_target[i, where], labels[i, where] = probs, label
     return Batch(
         sample_ids=[x.sample_id for x in samples],
         input_ids=input_ids,

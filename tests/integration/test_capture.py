@@ -34,7 +34,12 @@ def test_last_hidden_rebuilds_the_target_logits(tiny_target):
     # aux layer i is decoder layer i's output (hidden_states[0] is the embedding)
     torch.testing.assert_close(sample.aux_hidden[0], out.hidden_states[1][0])
     assert sample.aux_hidden.shape == (2, 12, 64) and sample.loss_mask.sum() == 7
-    assert torch.equal(sample.topk_indices[:, 0].long(), out.logits[0].argmax(-1))
+    # The top-k sit at the supervised positions (4..10: token t+1 is a response token) and are
+    # log-probabilities over the whole vocabulary, most likely first.
+    want = torch.log_softmax(out.logits[0, 4:11], dim=-1).topk(4, dim=-1)
+    assert sample.target_logprobs.shape == (7, 4) and sample.target_ids.dtype == torch.int32
+    torch.testing.assert_close(sample.target_logprobs, want.values, rtol=1e-5, atol=1e-5)
+    assert torch.equal(sample.target_ids.long(), want.indices)
 
 
 def test_wire_dtype_and_hooks_removed(tiny_target):
@@ -43,5 +48,5 @@ def test_wire_dtype_and_hooks_removed(tiny_target):
     capture = HiddenStateCapture(tiny_target, [1], "bfloat16")
     sample = capture(token_sample())
     capture.close()
-    assert sample.aux_hidden.dtype == torch.bfloat16 and sample.topk_values is None
+    assert sample.aux_hidden.dtype == torch.bfloat16 and sample.target_logprobs is None
     assert [len(layer._forward_hooks) for layer in layers] == before

@@ -75,7 +75,9 @@ def stream_params(*sets):
 
 
 def expected_samples(tiny_target, shards, aux):
-    capture = HiddenStateCapture(tiny_target, aux, "float32")
+    """What the producers must deliver: the full forward's states and the target's top-k, as
+    `stream_params` configures them."""
+    capture = HiddenStateCapture(tiny_target, aux, "float32", stream_params().extract.target_topk)
     try:
         return {s.sample_id: capture(s) for s in iter_samples(shards)}
     finally:

@@ -373,3 +373,29 @@ def test_dflash_is_dsparks_backbone_without_heads_trained_on_ce_alone(
     assert dflash.model.cfg.num_layers == dspark.model.cfg.num_layers
     shared = {k for k in dspark.model.state_dict() if not k.startswith(("markov", "confidence"))}
     assert set(dflash.model.state_dict()) == shared  # the same backbone, nothing else
+
+
+@pytest.mark.parametrize("k", [8, None])
+def test_targets_from_the_extracted_top_k_are_the_lm_heads(tiny_target, samples, k):
+    """A batch built from the samples' top-k equals the frozen lm_head's rebuild on the k most
+    likely tokens and nowhere else (all of it at k = the vocabulary), with the same labels."""
+    k = k or tiny_target.vocab_size
+    cap = HiddenStateCapture(tiny_target, [0, 1], "float32", topk=k)
+    with_topk = [
+        cap.package(s.sample_id, s.input_ids, s.loss_mask, {0: s.aux_hidden[0], 1: s.last_hidden})
+        for s in samples[:3]
+    ]
+    cap.close()
+    draft_ids = build_draft_ids(count_tokens(samples, tiny_target.vocab_size), 256)
+    head = TargetHead(tiny_target.norm, tiny_target.lm_head, draft_ids)
+    exact, fast = collate(samples[:3], head), collate(with_topk, head)
+    assert torch.equal(exact.valid, fast.valid)
+    kept = fast.p_target > 0
+    torch.testing.assert_close(fast.p_target[kept], exact.p_target[kept], rtol=1e-5, atol=1e-7)
+    if k == tiny_target.vocab_size:
+        torch.testing.assert_close(fast.p_target, exact.p_target, rtol=1e-5, atol=1e-7)
+    else:
+        assert 0 < int(kept.sum(-1).max()) <= k
+    has = fast.labels >= 0  # a position whose k best hold no draft token has no label
+    assert bool(has[exact.valid].any()) and torch.equal(fast.labels[has], exact.labels[has])
+    assert bool((fast.labels[exact.valid & ~has] == -1).all())

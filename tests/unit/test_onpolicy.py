@@ -13,9 +13,9 @@ from tests.unit.conftest import NEW
 TAPS = (0, 1)  # the tiny target's two layers: an aux layer and the last
 
 
-def answer_all(llama, varied, prompts, *, rows, max_new=NEW, eos=None):
+def answer_all(llama, varied, prompts, *, rows, max_new=NEW, eos=None, topk=0):
     dec = OnPolicyDecoder(
-        llama, varied.eos_token_id if eos is None else eos, 2048, TAPS, rows, 64, max_new
+        llama, varied.eos_token_id if eos is None else eos, 2048, TAPS, rows, 64, max_new, topk
     )
     pending, out = list(enumerate(prompts)), {}
     while pending or dec.busy:
@@ -26,8 +26,8 @@ def answer_all(llama, varied, prompts, *, rows, max_new=NEW, eos=None):
     return [out[i] for i in range(len(prompts))]
 
 
-def full_forward(varied, answered):
-    capture = HiddenStateCapture(varied, [0], "float32")
+def full_forward(varied, answered, topk=0):
+    capture = HiddenStateCapture(varied, [0], "float32", topk)
     ids = torch.tensor(answered.input_ids, dtype=torch.int32)
     mask = torch.arange(len(ids)) >= answered.prompt_len
     sample = capture(TokenSample(0, "0", ids, mask))
@@ -86,3 +86,21 @@ def test_a_dropped_row_frees_for_the_next_prompt(llama, varied, prompts, referen
     assert sorted(out) == [1, 2]
     for i in (1, 2):
         assert out[i].input_ids[len(prompts[i]) :] == reference[i]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_top_k_kept_while_decoding_is_the_full_forwards(llama, varied, prompts, reference, rows):
+    """The top-k log-probabilities taken from the decode's own logits, one per supervised
+    position (prompt_len - 1 onwards), equal those of the extract stage's full forward over the
+    same tokens, to float noise between a batched step and one forward (stated: 1e-4)."""
+    eos = reference[1][5]  # row 1 ends early at EOS, so rows end and refill out of step
+    for a in answer_all(llama, varied, prompts, rows=rows, eos=eos, topk=5):
+        full = full_forward(varied, a, topk=5)
+        values, ids = a.target_topk
+        assert (
+            values.shape == (len(a.input_ids) - a.prompt_len, 5) and values.dtype == torch.float32
+        )
+        torch.testing.assert_close(values, full.target_logprobs, rtol=0, atol=1e-4)
+        assert torch.equal(ids, full.target_ids)
+        # the kept argmax is the token the decoder chose next
+        assert ids[:, 0].tolist() == a.input_ids[a.prompt_len :]

@@ -6,10 +6,10 @@ from dspark.schema import Sample, SampleError, bytes_per_token
 
 def make(s=5, h=8, layers=3, dtype=torch.bfloat16, k=0):
     kw = {}
-    if k:
+    if k:  # positions 1..3 of 5 are followed by a response token
         kw = {
-            "topk_values": torch.zeros(s, k, dtype=dtype),
-            "topk_indices": torch.zeros(s, k, dtype=torch.int32),
+            "target_logprobs": torch.full((3, k), -1.0),
+            "target_ids": torch.zeros(3, k, dtype=torch.int32),
         }
     return Sample(
         sample_id=7,
@@ -43,7 +43,18 @@ def test_roundtrip_through_flat_tensors():
         ),
         ({"last_hidden": torch.zeros(5, 8)}, "last_hidden: expected dtype"),
         ({"last_hidden": torch.full((5, 8), float("nan"), dtype=torch.bfloat16)}, "non-finite"),
-        ({"topk_values": torch.zeros(5, 2, dtype=torch.bfloat16)}, "come together"),
+        ({"target_logprobs": torch.zeros(3, 2)}, "come together"),
+        (  # one row per supervised position (3 here), not per token
+            {"target_logprobs": torch.zeros(5, 2), "target_ids": torch.zeros(5, 2).int()},
+            r"target_logprobs: expected shape \[3, 2\]",
+        ),
+        (
+            {
+                "target_logprobs": torch.zeros(3, 2).bfloat16(),
+                "target_ids": torch.zeros(3, 2).int(),
+            },
+            "target_logprobs: expected dtype",
+        ),
     ],
 )
 def test_schema_violations_are_typed_errors(change, message):

@@ -1,0 +1,178 @@
+"""Training-step benchmark: where a step's time goes, and what the target's cached top-k saves.
+
+    python -m evals.bench_train_step [--profile P] [--batches 6] [--k 64]
+
+Reads the extract stage's shards (artifacts/hidden) and the trainer's own drafts as
+`train.*` configures them. Each batch is collated twice, in turn: from the target's top-k
+(`topk`: the shards' own when they carry it, else computed here from last_hidden exactly as the
+producers compute it) and by the lm_head rebuild (`lm_head`: the full-vocabulary matmul and
+softmax per supervised position that shards without top-k need). Then every draft takes one
+optimizer step on it. A draft's tokens/s is counted as the trainer counts it: the batch's tokens
+over its step plus the whole collate. The first batch warms up and is not counted.
+
+It also says what the top-k costs in fidelity, over every supervised position of the timed
+batches: the target's mass beyond the k, the total-variation distance between the two targets
+over the draft vocabulary, and how often their argmax (the CE label) differs. Prints a table and
+writes metrics/train_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dspark.config import load_params
+from dspark.extract.capture import resolve_aux_layers, topk_logprobs
+from dspark.metrics import write_metrics
+from dspark.models.target import load_target_for, set_threads
+from dspark.models.vocab import build_draft_ids, count_tokens
+from dspark.schema import Sample
+from dspark.train.batch import TargetHead, collate
+from dspark.train.sources import HiddenShards
+from dspark.train.stage import build_runs, resolve_mask_token
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def with_topk(sample: Sample, head: TargetHead, k: int) -> Sample:
+    """The sample carrying the target's top-k at its supervised positions (its own if it has
+    them), as a producer with `extract.target_topk: k` writes it."""
+    if sample.target_logprobs is not None:
+        return sample
+    last = sample.last_hidden[sample.supervised].to(torch.float32)
+    logprobs, ids = topk_logprobs(head.lm_head(head.norm(last)), k)
+    return replace(sample, target_logprobs=logprobs, target_ids=ids).validate()
+
+
+def without_topk(sample: Sample) -> Sample:
+    return replace(sample, target_logprobs=None, target_ids=None)
+
+
+def timed_collate(samples: list[Sample], head: TargetHead):
+    t0 = time.perf_counter()
+    batch = collate(samples, head)
+    return batch, time.perf_counter() - t0
+
+
+def fidelity(pairs: list[tuple]) -> dict:
+    """How far the top-k batches' targets are from the lm_head's, over every supervised
+    position of (exact batch, top-k batch, top-k samples) triples."""
+    tails, tvs, differs = [], [], []
+    for exact, approx, samples in pairs:
+        valid = exact.labels >= 0
+        p, q = exact.p_target[valid], approx.p_target[valid]  # [N, d]
+        tails.append(torch.cat([1 - s.target_logprobs.exp().sum(-1) for s in samples]))
+        tvs.append(0.5 * (p - q).abs().sum(-1))
+        differs.append(exact.labels[valid] != approx.labels[valid])
+    tail, tv, differ = torch.cat(tails), torch.cat(tvs), torch.cat(differs)
+    return {
+        "positions": int(tv.numel()),
+        "tail_mass_mean": round(float(tail.mean()), 5),
+        "tail_mass_p99": round(float(tail.quantile(0.99)), 5),
+        "tv_mean": round(float(tv.mean()), 5),
+        "tv_max": round(float(tv.max()), 5),
+        "label_differs": round(float(differ.float().mean()), 5),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default=None)
+    ap.add_argument("--batches", type=int, default=6, help="the first one warms up")
+    ap.add_argument("--k", type=int, default=None, help="top-k (default: extract.target_topk)")
+    ap.add_argument("--hidden", type=Path, default=ROOT / "artifacts" / "hidden")
+    ap.add_argument("--target", type=Path, default=ROOT / "artifacts" / "target")
+    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "train_step.json")
+    args = ap.parse_args(argv)
+    params = load_params(ROOT / "params.yaml", args.profile)
+    k = args.k or params.extract.target_topk
+    if k <= 0:
+        raise SystemExit("--k: the top-k must be positive (extract.target_topk is 0)")
+    threads = set_threads(None)
+    target = load_target_for(params.target, args.target)
+    shards = HiddenShards(args.hidden)
+    b = params.train.batch_size
+    if len(shards.ids) < args.batches * b:
+        raise SystemExit(
+            f"--batches: {args.hidden} has {len(shards.ids)} samples, fewer than "
+            f"{args.batches} batches of {b}"
+        )
+    samples = list(shards.read(shards.ids))
+    counts = count_tokens(iter(samples), target.vocab_size)
+    draft_ids = build_draft_ids(counts, params.train.draft_vocab_size, always=[target.eos_token_id])
+    head = TargetHead(target.norm, target.lm_head, draft_ids)
+    aux = resolve_aux_layers(params.extract.aux_layers, target.num_layers)
+    mask_id = resolve_mask_token(params.train.dspark.mask_token_id, target, counts)
+    runs = build_runs(params, target, draft_ids, aux, mask_id)
+    shipped = samples[0].target_logprobs is not None
+
+    spent = {"collate_topk": 0.0, "collate_lm_head": 0.0, **{r.name: 0.0 for r in runs}}
+    tokens, stats = 0, []
+    for i in range(args.batches):
+        rows = samples[i * b : (i + 1) * b]
+        topk_rows = [with_topk(s, head, k) for s in rows]
+        approx, topk_s = timed_collate(topk_rows, head)
+        exact, exact_s = timed_collate([without_topk(s) for s in rows], head)
+        step_s = {}
+        for run in runs:
+            t0 = time.perf_counter()
+            run.step(approx, i, args.batches, params.train.seed, 0.0)
+            step_s[run.name] = time.perf_counter() - t0
+        if i == 0:
+            continue
+        tokens += approx.tokens
+        spent["collate_topk"] += topk_s
+        spent["collate_lm_head"] += exact_s
+        for name, s in step_s.items():
+            spent[name] += s
+        stats.append((exact, approx, topk_rows))
+
+    def per_draft(collate_key: str) -> dict[str, float]:
+        return {r.name: round(tokens / (spent[r.name] + spent[collate_key]), 1) for r in runs}
+
+    timed = args.batches - 1
+    drafts = [r.name for r in runs]
+    loop = {
+        key: round(tokens / (spent[key] + sum(spent[d] for d in drafts)), 1)
+        for key in ("collate_topk", "collate_lm_head")
+    }
+    doc = {
+        "target": target.name,
+        "threads": threads,
+        "k": k,
+        "topk_from_shards": shipped,
+        "batch_size": b,
+        "timed_batches": timed,
+        "tokens_per_batch": round(tokens / timed, 1),
+        "seconds_per_batch": {key: round(v / timed, 3) for key, v in spent.items()},
+        "draft_tokens_per_s": {
+            "topk": per_draft("collate_topk"),
+            "lm_head": per_draft("collate_lm_head"),
+        },
+        "loop_tokens_per_s": {"topk": loop["collate_topk"], "lm_head": loop["collate_lm_head"]},
+        "fidelity": fidelity(stats),
+    }
+    sec = doc["seconds_per_batch"]
+    print(f"batch {b}, {doc['tokens_per_batch']} tokens per batch, {timed} timed batches, k={k}")
+    print(f"{'':>10} {'collate s':>10} " + " ".join(f"{d + ' tok/s':>14}" for d in drafts)
+          + f" {'loop tok/s':>11}")  # fmt: skip
+    for mode, key in (("topk", "collate_topk"), ("lm_head", "collate_lm_head")):
+        cells = " ".join(f"{doc['draft_tokens_per_s'][mode][d]:>14.1f}" for d in drafts)
+        print(f"{mode:>10} {sec[key]:>10.3f} {cells} {doc['loop_tokens_per_s'][mode]:>11.1f}")
+    print("step s: " + ", ".join(f"{d} {sec[d]:.3f}" for d in drafts))
+    f = doc["fidelity"]
+    print(
+        f"top-k fidelity over {f['positions']} positions: tail mass mean {f['tail_mass_mean']:.4f}"
+        f" (p99 {f['tail_mass_p99']:.4f}), TV mean {f['tv_mean']:.4f} (max {f['tv_max']:.4f}),"
+        f" label differs {f['label_differs']:.4%}"
+    )
+    write_metrics(args.out, params.profile, doc)
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+
+
+if __name__ == "__main__":
+    main()
