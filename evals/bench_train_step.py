@@ -3,12 +3,16 @@
     python -m evals.bench_train_step [--profile P] [--batches 6] [--k 64]
 
 Reads the extract stage's shards (artifacts/hidden) and the trainer's own drafts as
-`train.*` configures them. Each batch is collated twice, in turn: from the target's top-k
-(`topk`: the shards' own when they carry it, else computed here from last_hidden exactly as the
-producers compute it) and by the lm_head rebuild (`lm_head`: the full-vocabulary matmul and
-softmax per supervised position that shards without top-k need). Then every draft takes one
-optimizer step on it. A draft's tokens/s is counted as the trainer counts it: the batch's tokens
-over its step plus the whole collate. The first batch warms up and is not counted.
+`train.*` configures them. Each batch is collated two ways, in turn, and every draft takes one
+optimizer step on each, in turn, so the two paths run side by side in one process:
+
+  topk     the target's top-k (the shards' own when they carry it, else computed here from
+           last_hidden exactly as the producers compute it), kept sparse: [B, S, k]
+  lm_head  the lm_head rebuild that shards without top-k need: a full-vocabulary matmul and
+           softmax per supervised position, dense over the draft vocabulary: [B, S, d]
+
+A draft's tokens/s is counted as the trainer counts it: the batch's tokens over its step plus
+the whole collate. The first batch warms up and is not counted.
 
 It also says what the top-k costs in fidelity, over every supervised position of the timed
 batches: the target's mass beyond the k, the total-variation distance between the two targets
@@ -64,7 +68,8 @@ def fidelity(pairs: list[tuple]) -> dict:
     tails, tvs, differs = [], [], []
     for exact, approx, samples in pairs:
         valid = exact.labels >= 0
-        p, q = exact.p_target[valid], approx.p_target[valid]  # [N, d]
+        p = exact.p_target[valid]  # [N, d]
+        q = approx.dense_p(p.shape[-1])[valid]
         tails.append(torch.cat([1 - s.target_logprobs.exp().sum(-1) for s in samples]))
         tvs.append(0.5 * (p - q).abs().sum(-1))
         differs.append(exact.labels[valid] != approx.labels[valid])
@@ -110,36 +115,33 @@ def main(argv: list[str] | None = None) -> None:
     runs = build_runs(params, target, draft_ids, aux, mask_id)
     shipped = samples[0].target_logprobs is not None
 
-    spent = {"collate_topk": 0.0, "collate_lm_head": 0.0, **{r.name: 0.0 for r in runs}}
+    modes = ("topk", "lm_head")
+    spent = {(mode, part): 0.0 for mode in modes for part in ("collate", *(r.name for r in runs))}
     tokens, stats = 0, []
     for i in range(args.batches):
         rows = samples[i * b : (i + 1) * b]
         topk_rows = [with_topk(s, head, k) for s in rows]
         approx, topk_s = timed_collate(topk_rows, head)
         exact, exact_s = timed_collate([without_topk(s) for s in rows], head)
-        step_s = {}
+        took = {("topk", "collate"): topk_s, ("lm_head", "collate"): exact_s}
         for run in runs:
-            t0 = time.perf_counter()
-            run.step(approx, i, args.batches, params.train.seed, 0.0)
-            step_s[run.name] = time.perf_counter() - t0
+            for mode, batch in (("topk", approx), ("lm_head", exact)):
+                t0 = time.perf_counter()
+                run.step(batch, i, args.batches, params.train.seed, 0.0)
+                took[mode, run.name] = time.perf_counter() - t0
         if i == 0:
             continue
         tokens += approx.tokens
-        spent["collate_topk"] += topk_s
-        spent["collate_lm_head"] += exact_s
-        for name, s in step_s.items():
-            spent[name] += s
+        for key, sec in took.items():
+            spent[key] += sec
         stats.append((exact, approx, topk_rows))
-
-    def per_draft(collate_key: str) -> dict[str, float]:
-        return {r.name: round(tokens / (spent[r.name] + spent[collate_key]), 1) for r in runs}
 
     timed = args.batches - 1
     drafts = [r.name for r in runs]
-    loop = {
-        key: round(tokens / (spent[key] + sum(spent[d] for d in drafts)), 1)
-        for key in ("collate_topk", "collate_lm_head")
-    }
+
+    def rate(mode: str, parts: list[str]) -> float:
+        return round(tokens / sum(spent[mode, p] for p in parts), 1)
+
     doc = {
         "target": target.name,
         "threads": threads,
@@ -148,22 +150,30 @@ def main(argv: list[str] | None = None) -> None:
         "batch_size": b,
         "timed_batches": timed,
         "tokens_per_batch": round(tokens / timed, 1),
-        "seconds_per_batch": {key: round(v / timed, 3) for key, v in spent.items()},
-        "draft_tokens_per_s": {
-            "topk": per_draft("collate_topk"),
-            "lm_head": per_draft("collate_lm_head"),
+        "seconds_per_batch": {
+            mode: {part: round(spent[mode, part] / timed, 3) for part in ("collate", *drafts)}
+            for mode in modes
         },
-        "loop_tokens_per_s": {"topk": loop["collate_topk"], "lm_head": loop["collate_lm_head"]},
+        # each draft's step plus the whole collate, as the trainer counts it
+        "draft_tokens_per_s": {
+            mode: {d: rate(mode, ["collate", d]) for d in drafts} for mode in modes
+        },
+        # one collate and every draft's step: the training loop's rate
+        "loop_tokens_per_s": {mode: rate(mode, ["collate", *drafts]) for mode in modes},
         "fidelity": fidelity(stats),
     }
     sec = doc["seconds_per_batch"]
     print(f"batch {b}, {doc['tokens_per_batch']} tokens per batch, {timed} timed batches, k={k}")
-    print(f"{'':>10} {'collate s':>10} " + " ".join(f"{d + ' tok/s':>14}" for d in drafts)
-          + f" {'loop tok/s':>11}")  # fmt: skip
-    for mode, key in (("topk", "collate_topk"), ("lm_head", "collate_lm_head")):
-        cells = " ".join(f"{doc['draft_tokens_per_s'][mode][d]:>14.1f}" for d in drafts)
-        print(f"{mode:>10} {sec[key]:>10.3f} {cells} {doc['loop_tokens_per_s'][mode]:>11.1f}")
-    print("step s: " + ", ".join(f"{d} {sec[d]:.3f}" for d in drafts))
+    steps_head = " ".join(f"{d + ' step s':>13}" for d in drafts)
+    rates_head = " ".join(f"{d + ' tok/s':>13}" for d in drafts)
+    print(f"{'':>8} {'collate s':>10} {steps_head} {rates_head} {'loop tok/s':>11}")
+    for mode in modes:
+        steps = " ".join(f"{sec[mode][d]:>13.3f}" for d in drafts)
+        rates = " ".join(f"{doc['draft_tokens_per_s'][mode][d]:>13.1f}" for d in drafts)
+        print(
+            f"{mode:>8} {sec[mode]['collate']:>10.3f} {steps} {rates}"
+            f" {doc['loop_tokens_per_s'][mode]:>11.1f}"
+        )
     f = doc["fidelity"]
     print(
         f"top-k fidelity over {f['positions']} positions: tail mass mean {f['tail_mass_mean']:.4f}"

@@ -1,11 +1,15 @@
 """From streamed samples to what both drafts train on: padded tensors plus the target's own
-next-token distribution over the draft vocabulary. A sample that carries the target's top-k
-(extract.target_topk) gives it directly: its k most likely tokens' probabilities, scattered onto
-the draft vocabulary, exact but for the mass beyond the k (which then counts as mass no draft can
-match). Otherwise it is rebuilt with the frozen final norm and lm_head from the last layer's
-hidden states, a full-vocabulary matmul per supervised position and epoch.
+next-token distribution over the draft vocabulary.
 
-Shape glossary: B samples, S padded length, L aux layers, H hidden, d draft vocabulary.
+A sample that carries the target's top-k (extract.target_topk) gives it directly and the batch
+keeps it sparse: the k tokens' draft indices and probabilities, exact but for the mass beyond the
+k (which then counts as mass no draft can match). Memory and the loss's work then grow with k,
+not with the draft vocabulary. Otherwise the distribution is rebuilt, dense over the draft
+vocabulary, with the frozen final norm and lm_head from the last layer's hidden states: a
+full-vocabulary matmul per supervised position and epoch.
+
+Shape glossary: B samples, S padded length, L aux layers, H hidden, d draft vocabulary, k kept
+target tokens per position (k = d when dense).
 Position t's target distribution is the target's prediction of token t+1.
 """
 
@@ -27,7 +31,10 @@ class Batch:
     aux: torch.Tensor  # [B, S, L*H] float32: the aux layers' hidden states, concatenated
     valid: torch.Tensor  # [B, S] bool: token t+1 exists and is a response (loss-masked) token
     labels: torch.Tensor  # [B, S] int64: argmax of p_target at t (a draft index), -1 unused
-    p_target: torch.Tensor  # [B, S, d] float32: target probabilities of the draft tokens at t
+    p_target: torch.Tensor  # [B, S, k] float32: target probabilities of draft tokens at t
+    # [B, S, k] int64: which draft tokens p_target holds (0 with probability 0 pads a position
+    # whose k best leave the draft vocabulary); None: p_target is dense, every d in order.
+    p_ids: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -36,6 +43,13 @@ class Batch:
     @property
     def size(self) -> int:
         return len(self.sample_ids)
+
+    def dense_p(self, d: int) -> torch.Tensor:
+        """[B, S, d] the target probabilities over the whole draft vocabulary."""
+        if self.p_ids is None:
+            return self.p_target
+        out = torch.zeros(*self.p_target.shape[:2], d, device=self.p_target.device)
+        return out.scatter_add_(-1, self.p_ids, self.p_target)
 
 
 class TargetHead(nn.Module):
@@ -59,29 +73,41 @@ class TargetHead(nn.Module):
         return torch.softmax(logits, dim=-1)[:, self.draft_ids]
 
     @torch.no_grad()
+    def sparse_from_topk(
+        self, logprobs: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's top-k, log-probs [T, k] and token ids [T, k] -> probabilities [T, k] and
+        draft indices [T, k], the tokens outside the draft vocabulary as index 0 with 0."""
+        where = self.draft_index[ids.to(self.draft_index.device, torch.int64)]  # [T, k]
+        mass = torch.where(where >= 0, logprobs.to(where.device).exp(), 0.0)
+        return mass, where.clamp_min(0)
+
+    @torch.no_grad()
     def probs_from_topk(self, logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The target's top-k, log-probs [T, k] and token ids [T, k] -> [T, d] probabilities of
         the draft tokens (0 for those outside the k)."""
-        where = self.draft_index[ids.to(self.draft_index.device, torch.int64)]  # [T, k]
-        mass = torch.where(where >= 0, logprobs.to(where.device).exp(), 0.0)
+        mass, where = self.sparse_from_topk(logprobs, ids)
         out = torch.zeros(ids.shape[0], self.draft_ids.numel(), device=where.device)
         # The k ids are distinct, so only the padding (index 0, adding 0) can collide.
-        return out.scatter_add_(1, where.clamp_min(0), mass)
+        return out.scatter_add_(1, where, mass)
 
 
 def collate(samples: list[Sample], head: TargetHead) -> Batch:
-    """Pad, concatenate aux layers, and attach the target's distributions where supervised.
-    The batch is built where the head lives: where the drafts train."""
+    """Pad, concatenate aux layers, and attach the target's distributions where supervised:
+    sparse when every sample carries its top-k, else dense. The batch is built where the head
+    lives: where the drafts train."""
     dev = head.draft_ids.device
     b = len(samples)
     s = max(x.num_tokens for x in samples)
     num_aux, _, h = samples[0].aux_hidden.shape
-    d = head.draft_ids.numel()
+    sparse = all(x.target_logprobs is not None for x in samples)
+    k = max(x.target_ids.shape[1] for x in samples) if sparse else head.draft_ids.numel()
     input_ids = torch.zeros(b, s, dtype=torch.int64, device=dev)
     aux = torch.zeros(b, s, num_aux * h, device=dev)
     valid = torch.zeros(b, s, dtype=torch.bool, device=dev)
     labels = torch.full((b, s), -1, dtype=torch.int64, device=dev)
-    p_target = torch.zeros(b, s, d, device=dev)
+    p_target = torch.zeros(b, s, k, device=dev)
+    p_ids = torch.zeros(b, s, k, dtype=torch.int64, device=dev) if sparse else None
     for i, x in enumerate(samples):
         n = x.num_tokens
         input_ids[i, :n] = x.input_ids.to(dev, torch.int64)
@@ -90,14 +116,21 @@ def collate(samples: list[Sample], head: TargetHead) -> Batch:
         where = valid[i].nonzero()[:, 0]  # only supervised positions need the lm_head
         if not where.numel():
             continue
-        if x.target_logprobs is not None:  # R = the sample's supervised positions = `where`
+        if sparse:  # R = the sample's supervised positions = `where`
+            probs, ids = head.sparse_from_topk(x.target_logprobs, x.target_ids)  # [R, k_x]
+            width = probs.shape[1]
+            p_target[i, where, :width], p_ids[i, where, :width] = probs, ids
+            best = probs.argmax(-1, keepdim=True)
+            label = ids.gather(-1, best)[:, 0]
+        elif x.target_logprobs is not None:
             probs = head.probs_from_topk(x.target_logprobs, x.target_ids)
-            # No draft token among the k: nothing to take the argmax of.
-            label = torch.where(probs.sum(-1) > 0, probs.argmax(-1), -1)
-        else:
-            probs = head.probs(x.last_hidden.to(dev)[where])
+            p_target[i, where] = probs
             label = probs.argmax(-1)
-        p_target[i, where], labels[i, where] = probs, label
+        else:
+            p_target[i, where] = probs = head.probs(x.last_hidden.to(dev)[where])
+            label = probs.argmax(-1)
+        # No draft token among the k: nothing to take the argmax of.
+        labels[i, where] = torch.where(probs.amax(-1) > 0, label, -1)
     return Batch(
         sample_ids=[x.sample_id for x in samples],
         input_ids=input_ids,
@@ -106,4 +139,5 @@ def collate(samples: list[Sample], head: TargetHead) -> Batch:
         valid=valid,
         labels=labels,
         p_target=p_target,
+        p_ids=p_ids,
     )

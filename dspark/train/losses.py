@@ -52,16 +52,21 @@ def acceptance(p_draft_vocab: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def slot_losses(
     logits: torch.Tensor,  # [N, K, d] draft logits
-    p_target: torch.Tensor,  # [N, K, d] target probabilities of the draft tokens
+    p_target: torch.Tensor,  # [N, K, k] target probabilities of draft tokens (k = d: dense)
     labels: torch.Tensor,  # [N, K] the target's most likely draft-vocabulary token
     valid: torch.Tensor,  # [N, K] bool: slot has a supervised label
     w: LossWeights,
     confidence_logits: torch.Tensor | None = None,  # [N, K]
     total: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    p_ids: torch.Tensor | None = None,  # [N, K, k] draft indices of p_target; None: dense
 ) -> dict[str, torch.Tensor]:
     """Weighted CE + TV (+ KL, + confidence BCE), with the acceptance each slot would get.
     Each term is its slot-decayed sum over the supervised slots' count (speculators' reduction,
     held to it by tests/speculators/test_loss_terms.py).
+
+    A sparse target (`p_ids`) gives the same values and gradients as its dense scatter: every
+    term reads the draft only where the target has mass, except TV's, which the draft's mass
+    elsewhere enters as a whole (sum_d |p - q| = sum_k (|p - q| - q) + 1).
 
     `total` sums a tensor over the data-parallel ranks that share the global batch (None: this
     process holds all of it). The normalizers are then the global batch's, so each rank's loss
@@ -69,11 +74,16 @@ def slot_losses(
     k = logits.shape[1]
     mask = supervised_prefix(valid)
     logq = F.log_softmax(logits.float(), dim=-1)
-    q = logq.exp()
-    accept = acceptance(p_target, q)  # [N, K]
+    logq_p = logq if p_ids is None else logq.gather(-1, p_ids)  # [N, K, k]
+    q_p = logq_p.exp()
+    accept = acceptance(p_target, q_p)  # [N, K]
     # TV over the full vocabulary: mass the draft vocabulary lacks is all mismatch.
     outside = (1.0 - p_target.sum(-1)).clamp_min(0.0)
-    tv = 0.5 * ((p_target - q).abs().sum(-1) + outside)
+    if p_ids is None:
+        mismatch = (p_target - q_p).abs().sum(-1)
+    else:  # padding entries (p = 0) add |0 - q| - q = 0
+        mismatch = ((p_target - q_p).abs() - q_p).sum(-1) + 1.0
+    tv = 0.5 * (mismatch + outside)
     has_label = mask & (labels >= 0)
     ce = -logq.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
     ce = torch.where(has_label, ce, torch.zeros_like(ce))
@@ -91,7 +101,7 @@ def slot_losses(
     out = {"loss_ce": loss_ce, "loss_tv": loss_tv}
     if w.kl:
         p_hat = p_target / p_target.sum(-1, keepdim=True).clamp_min(1e-12)
-        kl = (p_hat * (p_hat.clamp_min(1e-12).log() - logq)).sum(-1)
+        kl = (p_hat * (p_hat.clamp_min(1e-12).log() - logq_p)).sum(-1)
         out["loss_kl"] = loss_kl = (kl * weights).sum() / norm
         loss = loss + w.kl * loss_kl
     if confidence_logits is not None:

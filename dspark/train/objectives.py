@@ -63,16 +63,27 @@ def skip_draws(gen: torch.Generator, candidates: list[int], max_anchors: int | N
             torch.randperm(n, generator=gen)
 
 
-def gather_slots(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, k: int):
-    """Per slot (anchor a, slot j -> position p_a + j): target probs, labels and validity,
-    flattened to [N, K, ...] over the valid anchors only."""
+@dataclass(frozen=True)
+class Slots:
+    """What each drafted slot is judged against, over the N valid anchors."""
+
+    p_target: torch.Tensor  # [N, K, k] target probabilities (k = d when dense)
+    p_ids: torch.Tensor | None  # [N, K, k] their draft indices; None: dense
+    labels: torch.Tensor  # [N, K] the target's argmax (a draft index), -1 none
+    valid: torch.Tensor  # [N, K] bool
+
+
+def gather_slots(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, k: int) -> Slots:
+    """Per slot (anchor a, slot j -> position p_a + j): target, labels and validity, flattened
+    to [N, K, ...] over the valid anchors only."""
     s = batch.input_ids.shape[1]
     pos = anchors[:, :, None] + torch.arange(k, device=anchors.device)  # [B, A, K]
     inside = pos < s
     pos = pos.clamp_max(s - 1)
     rows = torch.arange(anchors.shape[0], device=anchors.device)[:, None, None]
     valid = batch.valid[rows, pos] & inside & ok[:, :, None]
-    return batch.p_target[rows, pos][ok], batch.labels[rows, pos][ok], valid[ok]
+    ids = None if batch.p_ids is None else batch.p_ids[rows, pos][ok]
+    return Slots(batch.p_target[rows, pos][ok], ids, batch.labels[rows, pos][ok], valid[ok])
 
 
 Total = Callable[[torch.Tensor], torch.Tensor]  # sums over the data-parallel ranks
@@ -87,8 +98,10 @@ class DSparkObjective:
     def __call__(self, model: DSparkDraft, batch: Batch, gen: torch.Generator | None) -> dict:
         anchors, ok = pick_anchors(anchor_candidates(batch), self.max_anchors, gen)
         logits, conf = model.forward_train(batch.input_ids, batch.aux, anchors, ok)
-        p, labels, valid = gather_slots(batch, anchors, ok, model.cfg.block_size)
-        return slot_losses(logits, p, labels, valid, self.weights, conf, total=self.total)
+        t = gather_slots(batch, anchors, ok, model.cfg.block_size)
+        return slot_losses(
+            logits, t.p_target, t.labels, t.valid, self.weights, conf, self.total, t.p_ids
+        )
 
     def skip(self, gen: torch.Generator, candidates: list[int]) -> None:
         skip_draws(gen, candidates, self.max_anchors)
@@ -103,8 +116,10 @@ class Eagle3Objective:
     def __call__(self, model: Eagle3Draft, batch: Batch, gen: torch.Generator | None) -> dict:
         chains, ok = pick_anchors(anchor_candidates(batch), self.max_anchors, gen)
         logits = model.forward_ttt(batch.input_ids, batch.aux, chains, ok)  # [N, K, d]
-        p, labels, valid = gather_slots(batch, chains, ok, model.cfg.ttt_steps)
-        return slot_losses(logits, p, labels, valid, self.weights, total=self.total)
+        t = gather_slots(batch, chains, ok, model.cfg.ttt_steps)
+        return slot_losses(
+            logits, t.p_target, t.labels, t.valid, self.weights, total=self.total, p_ids=t.p_ids
+        )
 
     def skip(self, gen: torch.Generator, candidates: list[int]) -> None:
         skip_draws(gen, candidates, self.max_anchors)

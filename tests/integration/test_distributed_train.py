@@ -79,7 +79,8 @@ def data(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
     entry = write_shard(shards / "shard-00000.safetensors", samples, regenerated=0, fingerprint="")
     write_manifest(shards, [entry], {})
     aux = resolve_aux_layers(smoke().extract.aux_layers, tiny_target.num_layers)
-    capture = HiddenStateCapture(tiny_target, aux, "float32")
+    # with the target's top-k the producers send, so online and offline train on one thing
+    capture = HiddenStateCapture(tiny_target, aux, "float32", smoke().extract.target_topk)
     writer = HiddenShardWriter(folder / "hidden", shard_size=4, keep_payload=True)
     for s in samples:
         writer.add(capture(s))

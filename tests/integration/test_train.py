@@ -389,11 +389,13 @@ def test_targets_from_the_extracted_top_k_are_the_lm_heads(tiny_target, samples,
     draft_ids = build_draft_ids(count_tokens(samples, tiny_target.vocab_size), 256)
     head = TargetHead(tiny_target.norm, tiny_target.lm_head, draft_ids)
     exact, fast = collate(samples[:3], head), collate(with_topk, head)
+    assert exact.p_ids is None and fast.p_ids.shape == (*fast.valid.shape, k)  # sparse: [B, S, k]
     assert torch.equal(exact.valid, fast.valid)
-    kept = fast.p_target > 0
-    torch.testing.assert_close(fast.p_target[kept], exact.p_target[kept], rtol=1e-5, atol=1e-7)
+    p_fast = fast.dense_p(draft_ids.numel())
+    kept = p_fast > 0
+    torch.testing.assert_close(p_fast[kept], exact.p_target[kept], rtol=1e-5, atol=1e-7)
     if k == tiny_target.vocab_size:
-        torch.testing.assert_close(fast.p_target, exact.p_target, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(p_fast, exact.p_target, rtol=1e-5, atol=1e-7)
     else:
         assert 0 < int(kept.sum(-1).max()) <= k
     has = fast.labels >= 0  # a position whose k best hold no draft token has no label

@@ -28,10 +28,12 @@ from tests.unit.test_spec_decode import tiny_drafts
 K = 4
 
 
-@pytest.fixture(scope="module")
-def greedy(varied):
+@pytest.fixture(scope="module", params=["dense", "sparse"])
+def greedy(varied, request):
     """Two prompts and the target's greedy continuations, captured as extraction captures them
-    (full draft vocabulary, so the target's whole distribution is the draft's to match)."""
+    (full draft vocabulary, so the target's whole distribution is the draft's to match): the
+    target rebuilt from the last hidden state (dense), or carried as its top-k with k the whole
+    vocabulary (sparse)."""
     gen = torch.Generator().manual_seed(1)
     samples = []
     for i, n in enumerate((7, 12)):
@@ -46,7 +48,8 @@ def greedy(varied):
         )[0]
         mask = torch.arange(out.shape[0]) >= n
         samples.append(TokenSample(i, f"p{i}", out.to(torch.int32), mask))
-    capture = HiddenStateCapture(varied, [0, 1], "float32")
+    topk = varied.vocab_size if request.param == "sparse" else 0
+    capture = HiddenStateCapture(varied, [0, 1], "float32", topk)
     captured = [capture(s) for s in samples]
     capture.close()
     head = TargetHead(varied.norm, varied.lm_head, torch.arange(varied.vocab_size))
@@ -61,7 +64,8 @@ def test_each_label_is_the_next_token_of_greedy_data(greedy):
         # valid[t]: x_{t+1} is a response token, and the target's argmax at t is x_{t+1}
         assert torch.equal(b.labels[row, at], b.input_ids[row, at + 1])
     anchors, ok = pick_anchors(anchor_candidates(b), None, None)
-    _, labels, valid = gather_slots(b, anchors, ok, K)
+    slots = gather_slots(b, anchors, ok, K)
+    labels, valid = slots.labels, slots.valid
     # slot j of anchor p is labelled x_{p+j+1}, wherever it is supervised
     want = b.input_ids.new_zeros(labels.shape)
     rows = torch.arange(b.size)[:, None].expand_as(anchors)[ok]

@@ -130,6 +130,40 @@ def test_confidence_target_is_the_acceptance_rate():
     assert out["loss_tv"].item() == pytest.approx(0.4)
 
 
+@pytest.mark.parametrize(
+    "weights", [LossWeights(confidence=1.0), LossWeights(kl=1.0, decay=0.8, gamma=None)]
+)
+def test_a_sparse_target_gives_the_dense_losses_and_gradients(weights):
+    """The target's top-k as draft indices and probabilities, padded with index 0 at
+    probability 0 where a token left the draft vocabulary, scores every term and every
+    gradient as its dense scatter does."""
+    gen = torch.Generator().manual_seed(0)
+    n, k_slots, d, k = 5, 3, 12, 4
+    ids = torch.stack([torch.randperm(d, generator=gen)[:k] for _ in range(n * k_slots)])
+    ids = ids.view(n, k_slots, k)
+    probs = torch.rand(n, k_slots, k, generator=gen) * 0.2
+    probs[0, 0, 3], ids[0, 0, 3] = 0.0, 0  # padding: a top-k token outside the draft vocabulary
+    probs[1, 1, 2:], ids[1, 1, 2:] = 0.0, 0
+    dense = torch.zeros(n, k_slots, d).scatter_add_(-1, ids, probs)
+    labels = dense.argmax(-1)
+    valid = torch.ones(n, k_slots, dtype=torch.bool)
+    valid[2, 1] = False
+    logits = torch.randn(n, k_slots, d, generator=gen) * 2
+    conf = torch.randn(n, k_slots, generator=gen)
+
+    def run(p, p_ids):
+        x = logits.clone().requires_grad_(True)
+        out = slot_losses(x, p, labels, valid, weights, conf, p_ids=p_ids)
+        out["loss"].backward()
+        return out, x.grad
+
+    want, want_grad = run(dense, None)
+    got, got_grad = run(probs, ids)
+    for term in ("loss", "loss_ce", "loss_tv", "accept") + (("loss_kl",) if weights.kl else ()):
+        torch.testing.assert_close(got[term], want[term], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
 def test_slots_after_an_unsupervised_one_are_not_supervised():
     valid = torch.tensor([[True, True, False, True], [True, True, True, True]])
     assert supervised_prefix(valid).tolist() == [
