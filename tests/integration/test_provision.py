@@ -49,7 +49,8 @@ def test_estimate_by_hand():
     }
     e = estimate(params, arch)
     assert e["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
-    assert e["wire_bytes_per_token"] == 4 + 1 + 4 * 576 * 2  # 3 aux + last layer, bf16
+    # 3 aux + last layer in bf16, and the target's top-64 (fp32 log-prob + int32 id)
+    assert e["wire_bytes_per_token"] == 4 + 1 + 4 * 576 * 2 + 64 * (4 + 4)
     seq = 384 + 128
     assert e["tokens"] == 192 * seq
     # The default answers in the producers: 2 x 64 rows of KV cache and tapped states (fp32),
