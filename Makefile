@@ -9,6 +9,9 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 PROFILE ?= default
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+# A fresh machine's first temporary Prefect server builds its database first: Prefect's
+# 20 s wait ran out on a bare machine (2026-12-03), failing `make run` before any stage.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 # Independent prerequisites build side by side: `make test`'s three venvs (mostly downloads and
