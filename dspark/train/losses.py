@@ -57,6 +57,7 @@ def slot_losses(
     valid: torch.Tensor,  # [N, K] bool: slot has a supervised label
     w: LossWeights,
     confidence_logits: torch.Tensor | None = None,  # [N, K]
+    *,
     total: Callable[[torch.Tensor], torch.Tensor] | None = None,
     p_ids: torch.Tensor | None = None,  # [N, K, k] draft indices of p_target; None: dense
 ) -> dict[str, torch.Tensor]:

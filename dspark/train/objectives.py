@@ -100,7 +100,14 @@ class DSparkObjective:
         logits, conf = model.forward_train(batch.input_ids, batch.aux, anchors, ok)
         t = gather_slots(batch, anchors, ok, model.cfg.block_size)
         return slot_losses(
-            logits, t.p_target, t.labels, t.valid, self.weights, conf, self.total, t.p_ids
+            logits,
+            t.p_target,
+            t.labels,
+            t.valid,
+            self.weights,
+            conf,
+            total=self.total,
+            p_ids=t.p_ids,
         )
 
     def skip(self, gen: torch.Generator, candidates: list[int]) -> None:
