@@ -220,6 +220,12 @@ class ExtractConfig(Section):
     fetch_timeout: Annotated[float, Field(gt=0)] = Field(
         8.0, description="seconds a payload fetch may take before it is produced again"
     )
+    idle_timeout: Annotated[float, Field(gt=0)] = Field(
+        600.0,
+        description="seconds a consumer may receive nothing before the stream fails (dead "
+        "producers are found by heartbeat long before): a producer that answers its prompts "
+        "delivers its first sample only after a row's whole answer, 2-3 minutes on a busy CPU",
+    )
     segment_mb: PosInt = Field(256, description="Mooncake memory each producer contributes")
     buffer_mb: PosInt = Field(64, description="Mooncake transfer buffer of the consumer")
     shard_size: PosInt = Field(64, description="samples per hidden-state shard on disk")

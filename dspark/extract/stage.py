@@ -298,7 +298,7 @@ def extract(
                     consumed=set(resumed),
                 )
             )
-            consumers = st.consumers(fetch_timeout=x.fetch_timeout)
+            consumers = st.consumers(fetch_timeout=x.fetch_timeout, idle_timeout=x.idle_timeout)
             threads = [threading.Thread(target=drain, args=(c,)) for c in consumers]
             for t in threads:
                 t.start()

@@ -132,7 +132,8 @@ def open_source(
     with open_stream(
         params, target_dir=target_dir, shards_dir=shards_dir, sample_ids=sorted(ids)
     ) as stream:
-        (consumer,) = stream.consumers(fetch_timeout=params.extract.fetch_timeout)
+        x = params.extract
+        (consumer,) = stream.consumers(fetch_timeout=x.fetch_timeout, idle_timeout=x.idle_timeout)
         yield Source(iter(consumer))
 
 
@@ -158,7 +159,9 @@ def rank_stream(
         ) as stream:
             store = stream.store
             ranks.broadcast(stream.master.address if stream.master else str(store.folder))
-            (consumer,) = stream.consumers(fetch_timeout=x.fetch_timeout)
+            (consumer,) = stream.consumers(
+                fetch_timeout=x.fetch_timeout, idle_timeout=x.idle_timeout
+            )
             yield consumer
             ranks.barrier()  # every rank is done with the payloads before they go
         return
@@ -182,7 +185,9 @@ def rank_stream(
             )
         else:
             store = FileStore(Path(where))
-        yield StreamConsumer(coordinator, store, fetch_timeout=x.fetch_timeout)
+        yield StreamConsumer(
+            coordinator, store, fetch_timeout=x.fetch_timeout, idle_timeout=x.idle_timeout
+        )
         coordinator.close()  # `done` to the producers: they exit once every rank has said it
         ranks.barrier()
         store.close()

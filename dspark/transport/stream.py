@@ -47,7 +47,7 @@ class StreamConsumer:
                 if not taken:
                     if time.monotonic() - idle_since > self.idle_timeout:
                         raise TransportError(
-                            f"stream: nothing received for {self.idle_timeout:.0f} s "
+                            f"stream: nothing received for {self.idle_timeout:g} s "
                             f"({self.coordinator.live_producers()} producers connected)"
                         )
                     continue

@@ -21,6 +21,7 @@ from dspark.extract.capture import HiddenStateCapture
 from dspark.extract.producer import ProducerConfig
 from dspark.extract.stage import extract, open_stream
 from dspark.transport.files import iter_hidden
+from dspark.transport.stores import TransportError
 from dspark.transport.stream import StreamConsumer, batches
 
 from ..conftest import ROOT, skip_or_fail
@@ -191,6 +192,23 @@ def test_producers_answer_prompts_as_they_capture(tiny_target, tiny_target_dir, 
 
 class Stop(Exception):
     pass
+
+
+def test_the_stage_waits_for_a_first_sample_as_long_as_extract_idle_timeout_says(
+    tiny_target_dir, prepared, tmp_path
+):
+    """Producers that answer their prompts send nothing for minutes at first: the stage's
+    consumers wait `extract.idle_timeout` (here shorter than a producer's start-up) and then
+    fail the stream, naming the wait."""
+    params = stream_params("extract.mode=offline", "extract.idle_timeout=0.5")
+    with pytest.raises(TransportError, match=r"^stream: nothing received for 0\.5 s"):
+        extract(
+            params,
+            target_dir=tiny_target_dir,
+            shards_dir=prepared,
+            out_dir=tmp_path / "hidden",
+            progress=False,
+        )
 
 
 def test_a_stopped_extraction_resumes_after_its_last_shard(
