@@ -3,9 +3,10 @@
 Forward hooks on the decoder layers pick up each tapped layer's output; the last layer's output
 is kept before the final norm, so the frozen `lm_head(norm(h))` rebuilds the target's logits on
 the training side. With `topk`, the target's k most likely next tokens and their log-probabilities
-are kept too, at the supervised positions only: the trainer's targets then cost a scatter, not a
-full-vocabulary lm_head per position and epoch. Only the backbone runs here (no lm_head) unless
-they are asked for and were not already computed (the on-policy decoder hands in its own).
+are kept too, at the supervised positions only: the trainer's targets then cost an index
+lookup, not a full-vocabulary lm_head per position and epoch. Only the backbone runs here (no
+lm_head) unless they are asked for and were not already computed (the on-policy decoder hands in
+its own).
 """
 
 from __future__ import annotations
