@@ -212,9 +212,8 @@ class Eagle3Proposer(DraftProposer):
     def propose(self, seq, n, active, sampling: Sampling, gen, rows=ALL):
         m, layer = self.model, self.model.layer
         b = seq.shape[0]
-        span = int(n.max()) + 1
-        context = (torch.arange(span)[None, :] <= n[:, None])[:, None]  # [B, 1, span]
-        keys, values = [self.cache_k[rows, :, :span]], [self.cache_v[rows, :, :span]]
+        idx = torch.arange(b)
+        cache_k, cache_v = self.cache_k[rows], self.cache_v[rows]
         hidden = self.anchor_hidden[rows]
         tokens, qs = [], []
         for j in range(self.k):
@@ -225,13 +224,18 @@ class Eagle3Proposer(DraftProposer):
             qs.append(_full_vocab(probs, self.draft_ids, m.cfg.vocab_size))
             if j == self.k - 1:
                 break
-            x = layer.attn_input(m.embed(token), hidden)[:, None]  # [B, 1, 2H] at n+j+1
-            cos, sin = self._rope((n + j + 1)[:, None])
-            k, v = layer.self_attn.project_kv(x, cos, sin)
-            keys.append(k)
-            values.append(v)
-            mask = torch.cat((context, context.new_ones(b, 1, j + 1)), dim=2)
-            out = layer.self_attn(x, cos, sin, torch.cat(keys, 2), torch.cat(values, 2), mask)
+            at = n + j + 1  # [B] where this draft token sits
+            x = layer.attn_input(m.embed(token), hidden)[:, None]  # [B, 1, 2H]
+            cos, sin = self._rope(at[:, None])
+            k, v = layer.self_attn.project_kv(x, cos, sin)  # [B, nkv, 1, d]
+            # Into the cache past the row's last token, as the target's drafts go into its
+            # own: nothing reads there until `extend` writes the accepted tokens' keys over
+            # them, and no copy of the context's keys is made per step.
+            cache_k[idx, :, at] = k[:, :, 0]
+            cache_v[idx, :, at] = v[:, :, 0]
+            span = int(at.max()) + 1
+            mask = (torch.arange(span)[None, :] <= at[:, None])[:, None]  # [B, 1, span]
+            out = layer.self_attn(x, cos, sin, cache_k[:, :, :span], cache_v[:, :, :span], mask)
             hidden = layer.finish(hidden[:, None], out)[:, 0]
         return Proposal(
             torch.stack(tokens, 1),

@@ -297,10 +297,11 @@ class SpecDecoder:
         tokens = torch.cat((seq[idx, n][:, None], drafts), dim=1)  # [b, 1+k]
         positions = n[:, None] + torch.arange(width)
         valid = (torch.arange(width) <= k_row[:, None]) & active[:, None]
-        logits, taps = self.target(tokens, positions, cache, valid, taps=prop.taps)
-        if sampling.greedy:
-            verdict = verify_greedy(drafts, logits, k_row)
+        if sampling.greedy:  # the target's choices only: a replay has no logits to make
+            pred, taps = self.target.greedy(tokens, positions, cache, valid, taps=prop.taps)
+            verdict = verify_greedy(drafts, pred, k_row)
         else:
+            logits, taps = self.target(tokens, positions, cache, valid, taps=prop.taps)
             q = None if proposal.q is None else proposal.q[:, :k]
             verdict = verify_sampled(drafts, q, warp(logits, sampling), k_row, gen)
         t2 = time.perf_counter()

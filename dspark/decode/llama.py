@@ -11,6 +11,8 @@ and a query never looks past its own position.
 A ragged batch is packed: the projections and MLPs, which are most of the work, run only on the
 valid tokens ([1, N, H]); only attention sees the padded [B, T] layout. So a verify step costs
 what its real tokens cost, and a row that drafts nothing adds one token, not the batch's width.
+A prefill of ragged rows, each from position 0, attends row by row on the causal kernel rather
+than through one mask at the longest row's width.
 
 Hidden states of any layer can be returned (`taps`, the output of decoder layer i, and the last
 layer before the final norm), which is what the drafts read.
@@ -69,13 +71,35 @@ class Packing:
         return out.index_copy_(0, self.index, x[0]).view(self.rows, self.width, -1)
 
 
+@dataclass(frozen=True)
+class RowLengths:
+    """The mask of a ragged prefill: row r holds its first `lengths[r]` tokens at positions
+    0..n-1 and padding after them."""
+
+    lengths: list[int]
+
+
+def causal_rows(q, k, v, lengths: list[int]) -> torch.Tensor:
+    """A ragged prefill's attention, each row alone on SDPA's causal kernel over its own tokens
+    -> [B, T, nh*d], zeros at the padding (packed out after). One explicit mask for the batch
+    would attend every row over the longest row's width: 32 prompts of 50 to 1,500 tokens then
+    cost what 32 of 1,500 do (evals/bench_prefill.py). q [B, nh, T, d]; k, v [B, nkv, T, d]."""
+    b, nh, t, d = q.shape
+    out = q.new_zeros(b, t, nh * d)
+    for r, n in enumerate(lengths):
+        out[r, :n] = gqa_attention(
+            q[r : r + 1, :, :n], k[r : r + 1, :, :n], v[r : r + 1, :, :n], None
+        )[0]
+    return out
+
+
 class CachedAttention(Attention):
     """The drafts' attention projections, reading and writing the static cache."""
 
     def forward(self, x, rope, cache_k, cache_v, write_pos, mask, span, packing=None):
         """x [B, T, H] ([1, N, H] packed); cache_k/v [B, nkv, M, d] (this layer's, updated in
         place); write_pos [B, T]; mask [B, T, span]: which of the first `span` slots each
-        query sees (None: causal, T == span)."""
+        query sees (None: causal, T == span; RowLengths: causal within each row's length)."""
         s = self.s
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if packing is not None:
@@ -89,11 +113,18 @@ class CachedAttention(Attention):
         cache_k[rows, :, write_pos] = k.transpose(1, 2)  # [B, T, nkv, d] into slots
         cache_v[rows, :, write_pos] = v.transpose(1, 2)
         keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
-        out = gqa_attention(q, keys, values, mask)  # [B, T, nh*d]
+        if isinstance(mask, RowLengths):
+            out = causal_rows(q, keys, values, mask.lengths)
+        else:
+            out = gqa_attention(q, keys, values, mask)  # [B, T, nh*d]
         return self.o_proj(out if packing is None else packing.pack(out))
 
 
 class Llama(nn.Module):
+    # A ragged prefill (rows of different lengths, each from position 0) attends row by row on
+    # the causal kernel; False sends it through one explicit mask (the benchmark's baseline).
+    ragged_causal = True
+
     def __init__(self, s: LayerShape, num_layers: int, vocab_size: int):
         super().__init__()
         self.s = s
@@ -121,6 +152,11 @@ class Llama(nn.Module):
         w = self.embed_tokens.weight
         return KVCache(w.new_zeros(shape), w.new_zeros(shape))
 
+    def greedy(self, tokens, positions, cache, valid=None, taps=()):
+        """-> the greedy choice after every token [B, T], and the taps (as `forward`)."""
+        logits, kept = self(tokens, positions, cache, valid, taps=taps)
+        return logits.argmax(-1), kept
+
     @torch.no_grad()
     def forward(
         self,
@@ -147,9 +183,18 @@ class Llama(nn.Module):
         # Query at position p sees slots <= p; a padded query sees slot 0 (output unused).
         b, t = tokens.shape
         mask = None  # a prefill from position 0 of whole rows: the causal kernel, no mask
-        if not (t == span and bool(valid.all()) and bool((positions == slot).all())):
-            mask = (slot[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
-            mask[..., 0] |= ~valid
+        from_zero = t == span and bool((positions == slot).all())
+        if not (from_zero and bool(valid.all())):
+            lengths = valid.sum(1)
+            if (
+                from_zero
+                and self.ragged_causal
+                and bool((valid == (slot < lengths[:, None])).all())
+            ):
+                mask = RowLengths(lengths.tolist())  # a ragged prefill: each row causal alone
+            else:
+                mask = (slot[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
+                mask[..., 0] |= ~valid
         rope = rope_cos_sin(positions, self.s.head_dim, self.s.rope_theta)
         packing = None
         x = self.embed_tokens(tokens)

@@ -102,9 +102,9 @@ def decode_recorded(
 
 
 class Playback:
-    """Stands in for the target's `Llama` in `SpecDecoder`: a call returns, for the positions it
-    asks about, one-hot logits on the recorded greedy choice and the recorded tapped features.
-    Its cache is empty: nothing is computed."""
+    """Stands in for the target's `Llama` in `SpecDecoder`: for the positions it is asked about,
+    `greedy` returns the recorded greedy choices and a call one-hot logits on them, each with the
+    recorded tapped features. Its cache is empty: nothing is computed."""
 
     def __init__(self, recording: Recording, vocab_size: int):
         self.rec, self.vocab_size = recording, vocab_size
@@ -113,18 +113,25 @@ class Playback:
         empty = torch.zeros(0, batch, 0, slots + 1, 0)
         return KVCache(empty, empty.clone())
 
-    def __call__(
+    def __call__(self, tokens, positions, cache, valid=None, taps=(), logits=True, logits_at=None):
+        """As `greedy`, with one-hot logits [B, T or n, V] on the choices (a prefill's)."""
+        if not logits:
+            raise ValueError("playback has logits only: it records no final hidden state")
+        choice, kept = self.greedy(tokens, positions, cache, valid, taps, logits_at)
+        return torch.zeros(*choice.shape, self.vocab_size).scatter_(2, choice[..., None], 1.0), kept
+
+    def greedy(
         self,
         tokens: torch.Tensor,  # [B, T]
         positions: torch.Tensor,  # [B, T]
         cache: KVCache,
         valid: torch.Tensor | None = None,
         taps: tuple[int, ...] = (),
-        logits: bool = True,
         logits_at: torch.Tensor | None = None,  # [B, n]
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        if not logits:
-            raise ValueError("playback has logits only: it records no final hidden state")
+        """The recorded choice after each asked position [B, T or n] and the tapped features:
+        what a greedy step needs, without one-hot logits over the vocabulary (a [B, k+1, V]
+        fill and its argmax were most of a replayed n-gram step)."""
         rec = self.rec
         if tokens.shape[0] != rec.lens.shape[0]:
             raise ValueError(f"playback of {rec.lens.shape[0]} rows asked about {len(tokens)}")
@@ -140,9 +147,8 @@ class Playback:
         at = positions.clamp(0, rec.next_token.shape[1] - 1)  # padding reads anything in range
         asked = at if logits_at is None else at.gather(1, logits_at)
         choice = rec.next_token.gather(1, asked)  # [B, T or n]
-        out = torch.zeros(*choice.shape, self.vocab_size).scatter_(2, choice[..., None], 1.0)
         kept = {}
         for i in taps:
             f = rec.feats[i]
             kept[i] = f.gather(1, at[..., None].expand(-1, -1, f.shape[-1]))  # [B, T, H]
-        return out, kept
+        return choice, kept

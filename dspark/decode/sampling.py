@@ -60,10 +60,9 @@ class Verdict:
 
 def verify_greedy(
     drafts: torch.Tensor,  # [B, k]
-    logits: torch.Tensor,  # [B, k+1, V] the target's, at the last token and each draft
+    pred: torch.Tensor,  # [B, k+1] the target's greedy choice after the last token and each draft
     k_row: torch.Tensor,  # [B] drafts each row proposed (the rest of its k is padding)
 ) -> Verdict:
-    pred = logits.argmax(-1)  # [B, k+1]
     k = drafts.shape[1]
     ok = (drafts == pred[:, :k]) & (torch.arange(k) < k_row[:, None])
     accepted = ok.long().cumprod(-1).sum(-1)

@@ -70,10 +70,18 @@ class SpecLM(LM):
         proposer: Proposer | None = None,
         llama: Llama | None = None,
         params: str | Params = "params.yaml",
+        batch_size: int | str = 16,
     ):
         """In the evaluate stage: a loaded `target` and the method's `proposer`. From lm-eval's
-        command line: paths, read as `params` says."""
+        command line: paths, read as `params` says. Problems decode `batch_size` at a time
+        (greedy outputs do not depend on the batch)."""
         super().__init__()
+        try:  # lm-eval's command line passes its --batch_size (default 1; "auto" is not ours)
+            self.batch_size = int(batch_size)
+        except ValueError:
+            self.batch_size = 0
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size: {batch_size!r} is not a positive number of problems")
         if not isinstance(target, Target) or proposer is None:
             params = params if isinstance(params, Params) else load_params(params)
         if not isinstance(target, Target):
@@ -89,16 +97,28 @@ class SpecLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         t = self.target
         dec = SpecDecoder(self.llama, self.proposer, t.eos_token_id, t.max_context)
-        out = []
         desc = f"evaluate: lm-eval {self.method}"
-        for req in bar(requests, desc=desc, unit="problems", enabled=not disable_tqdm):
-            context, kwargs = req.args
-            ids = t.chat_ids([{"role": "user", "content": context}])
-            traces, _ = dec.generate([ids], int(kwargs.get("max_gen_toks", 256)))
-            tokens = traces[0].tokens
-            self.outputs.append(tokens)
-            text = t.tokenizer.decode(tokens, skip_special_tokens=True)
-            for stop in kwargs.get("until") or []:
+        progress = bar(total=len(requests), desc=desc, unit="problems", enabled=not disable_tqdm)
+        # Problems that share a cap decode together, in batches; answers go back in order.
+        groups: dict[int, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(int(req.args[1].get("max_gen_toks", 256)), []).append(i)
+        tokens: dict[int, list[int]] = {}
+        for cap, members in groups.items():
+            for at in range(0, len(members), self.batch_size):
+                batch = members[at : at + self.batch_size]
+                chats = [
+                    t.chat_ids([{"role": "user", "content": requests[i].args[0]}]) for i in batch
+                ]
+                traces, _ = dec.generate(chats, cap)
+                tokens |= {i: tr.tokens for i, tr in zip(batch, traces, strict=True)}
+                progress.update(len(batch))
+        progress.close()
+        out = []
+        for i, req in enumerate(requests):
+            self.outputs.append(tokens[i])
+            text = t.tokenizer.decode(tokens[i], skip_special_tokens=True)
+            for stop in req.args[1].get("until") or []:
                 text = text.split(stop)[0]
             out.append(text)
         return out

@@ -201,6 +201,15 @@ def report_markdown(result: dict) -> str:
     if "phases_s" in result:
         parts = ", ".join(f"{k.replace('_', ' ')} {v} s" for k, v in result["phases_s"].items())
         lines.append(f"Stage time by phase: {parts}.")
+    if "paths_s" in result:
+        split = result["paths_s"]
+        parts = ", ".join(
+            f"{part} {split[f'{part}_short']} s short, {split[f'{part}_long']} s long"
+            for part in ("prefill", "decode", "check")
+        )
+        lines.append(
+            f"The target's paths by part (ours: prefill, decode; transformers: check): {parts}."
+        )
     missing = [c for c in CATEGORIES if c not in result["categories"]]
     if missing:
         lines.append(f"Not evaluated: {', '.join(missing)}.")

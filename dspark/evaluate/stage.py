@@ -189,6 +189,13 @@ class Evaluation:
         self._recorded: tuple[tuple[str, ...], Recording] | None = None
         self._prefilled: tuple[tuple[str, ...], Prefill] | None = None
         self._length: dict[str, int] = {}  # prompt id -> templated tokens
+        # The target's own work, split for sizing the stage: our engine's prefill and decode
+        # of the paths, and transformers' check of them; short prompts apart from long ones.
+        self.paths_s = {
+            f"{part}_{kind}": 0.0
+            for part in ("prefill", "decode", "check")
+            for kind in ("short", "long")
+        }
 
     # --- a batch of prompts ----------------------------------------------------------------
 
@@ -224,6 +231,8 @@ class Evaluation:
             return self._recorded[1]
         self._recorded = None  # free the last one first: long-context recordings are large
         chats = self.chats(prompts)
+        kind = "long" if prompts[0].category in LONG_CATEGORIES else "short"
+        t0 = time.perf_counter()
         try:
             traces, timing, rec = decode_recorded(
                 self.llama,
@@ -236,8 +245,12 @@ class Evaluation:
             )
         except ValueError as e:
             raise DataError(f"{', '.join(ids)}: {e}") from None
+        recorded = time.perf_counter()
+        self.paths_s[f"prefill_{kind}"] += timing.prefill_s
+        self.paths_s[f"decode_{kind}"] += recorded - t0 - timing.prefill_s
         paths = [t.tokens for t in traces]
         differ = self.ref.check_batch(chats, paths)
+        self.paths_s[f"check_{kind}"] += time.perf_counter() - recorded
         shares = _shares(timing.total_s, [len(q) for q in paths])
         for p, q, d, sec in zip(prompts, paths, differ, shares, strict=True):
             self.records.put(self.key(p, "path"), tokens=q, differ=d, seconds=sec)
@@ -428,9 +441,11 @@ class Evaluation:
         sampled = {c: {m: Tally() for m in methods} for c in selected}
         agree = {"decodes": 0, "same": 0, "differ": []}
         sampling = Sampling(cfg.temperature, cfg.top_p)
+        # `none` drafts nothing to accept or reject: sampled, its tau is 1 by construction.
+        drafting = [m for m in methods if m != "none"]
         live_bar = bar(
-            total=2 * len(live) * len(methods), desc="evaluate: live", unit="decodes",
-            enabled=progress,
+            total=len(live) * (len(methods) + len(drafting)), desc="evaluate: live",
+            unit="decodes", enabled=progress,
         )  # fmt: skip
         for batch in self.batches(live):
             for m in methods:
@@ -445,7 +460,7 @@ class Evaluation:
                         else:
                             agree["differ"].append(f"{p.id}:{m}")
                 live_bar.update(len(batch))
-            for m in methods:
+            for m in drafting:
                 for p, outcome in zip(
                     batch, self.decode(chosen[m], m, batch, sampling=sampling), strict=True
                 ):
@@ -473,6 +488,7 @@ class Evaluation:
             result["quality"] = quality(self.params, self.target, self.llama, chosen, self.context)
             phases["lm_eval"] = time.perf_counter() - t0
         result["phases_s"] = {k: round(v, 1) for k, v in phases.items()}
+        result["paths_s"] = {k: round(v, 3) for k, v in self.paths_s.items()}
         return result
 
 
@@ -506,6 +522,7 @@ def quality(params: Params, target, llama, proposers: dict, context: ProposerCon
             llama=llama,
             method=m,
             proposer=proposers.get(m) or build_proposer(m, context),
+            batch_size=params.evaluate.batch_size,
         )
         for m in cfg.methods
     }
@@ -565,7 +582,8 @@ def assemble(params, tallies, sampled, ablation_tallies, calibration, sweep, bes
         s_cats = {
             c: {m: t.summary() for m, t in ts.items() if t.steps} for c, ts in sampled.items()
         }
-        s_mean = {m: _mean(s_cats[c][m]["tau"] for c in nine if m in s_cats[c]) for m in methods}
+        decoded = [m for m in methods if any(m in s_cats[c] for c in nine)]
+        s_mean = {m: _mean(s_cats[c][m]["tau"] for c in nine if m in s_cats[c]) for m in decoded}
         result["sampling"] = {
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,

@@ -57,6 +57,10 @@ class LogitsTap:
         self.logits, feats = self.llama(*args, **kwargs)
         return self.logits, feats
 
+    def greedy(self, *args, **kwargs):
+        logits, feats = self(*args, **kwargs)
+        return logits.argmax(-1), feats
+
 
 class OnPolicyDecoder:
     """`admit` prompts while `free` rows remain, `step` while `busy`; each step returns the

@@ -94,6 +94,14 @@ def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
     phases = result["phases_s"]  # where the stage's time went, every phase measured
     assert set(phases) == {"target_paths", "replay", "live", "lm_eval"}
     assert all(v >= 0 for v in phases.values()) and 0 < sum(phases.values()) < wall
+    # The target's own work split: our prefill and decode of the paths, transformers' check;
+    # this selection has a long-context prompt and short ones, so every part ran.
+    split = result["paths_s"]
+    assert set(split) == {
+        f"{p}_{k}" for p in ("prefill", "decode", "check") for k in ("short", "long")
+    }
+    assert all(v > 0 for v in split.values())
+    assert sum(split.values()) <= phases["target_paths"] + 0.1  # rounded to 0.1 s
     for cat in result["prompts"]:
         for m in METHODS:
             assert result["categories"][cat][m]["tau"] >= 1.0
@@ -108,7 +116,7 @@ def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
     check = result["replay_check"]
     assert check["decodes"] == check["same"] == 3 * len(METHODS), check
     assert tuple(result["ngram_window"]) in {(5, 5), (1, 3)}
-    assert set(result["sampling"]["mean"]) == set(METHODS)
+    assert set(result["sampling"]["mean"]) == set(METHODS) - {"none"}  # none drafts nothing
     assert result["calibration"]["n"] > 0 and 0 <= result["calibration"]["ece"] <= 1
     q = result["quality"]
     assert q["identical_outputs"] and q["identical_scores"]
@@ -348,3 +356,28 @@ def test_categories_pick_what_is_evaluated_and_live_prompts_go_shortest_first(
     ev = Evaluation(params(), tiny_target, paths)
     live = ev.live_prompts(select_prompts(read_prompt_file(paths.prompts), 2, 1))
     assert [p.id for p in live] == ["m2", "w", "m"]
+
+
+def test_lm_eval_problems_decode_batched_as_one_at_a_time(tiny_target):
+    """The lm-eval model decodes problems that share a cap together: the same answers, in the
+    requests' order, as one at a time (greedy does not depend on the batch)."""
+    from dspark.decode.proposers import NoProposer
+    from dspark.evaluate.quality import SpecLM
+
+    asks = ["What is 2 + 2?", "Name a color.", "Count to three, slowly.", "Say hi."]
+    caps = [10, 6, 10, 10]  # two caps: two groups, answers interleaved in the request order
+    requests = [
+        dataclasses.make_dataclass("Req", ["args"])((a, {"max_gen_toks": c, "until": ["\n\n"]}))
+        for a, c in zip(asks, caps, strict=True)
+    ]
+
+    def answers(batch_size: int) -> tuple[list[str], list[list[int]]]:
+        lm = SpecLM(tiny_target, proposer=NoProposer(), batch_size=batch_size)
+        return lm.generate_until(requests, disable_tqdm=True), lm.outputs
+
+    alone, together = answers(1), answers(2)
+    assert alone == together
+    assert all(0 < len(t) <= c for t, c in zip(alone[1], caps, strict=True))
+    for bad in (0, "auto"):
+        with pytest.raises(ValueError, match="batch_size"):
+            SpecLM(tiny_target, proposer=NoProposer(), batch_size=bad)

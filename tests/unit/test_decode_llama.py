@@ -65,3 +65,32 @@ def test_causal_kernel_equals_the_explicit_causal_mask():
     assert (gqa_attention(q, k, v, None) - want).abs().max().item() < 1e-5
     with pytest.raises(ValueError, match="as many keys as queries"):
         gqa_attention(q[:, :, :5], k, v, None)
+
+
+@pytest.mark.parametrize("lengths", [[10, 3, 16, 7], [5, 5, 5]])
+def test_a_ragged_prefill_attends_row_by_row_as_the_explicit_mask_does(tiny_target, lengths):
+    """Rows of different lengths from position 0 take the causal kernel row by row; logits at
+    each row's last token, every tapped state and the cache equal the one explicit mask's,
+    and each row's logits equal its prefill alone."""
+    model = Llama.from_hf(tiny_target.model)
+    gen = torch.Generator().manual_seed(3)
+    b, t = len(lengths), max(lengths)
+    ids = torch.randint(0, tiny_target.vocab_size, (b, t), generator=gen)
+    pos = torch.arange(t).expand(b, t)
+    valid = pos < torch.tensor(lengths)[:, None]
+    last = (torch.tensor(lengths) - 1)[:, None]
+    got: dict[bool, tuple] = {}
+    for ragged in (True, False):
+        model.ragged_causal = ragged
+        cache = model.new_cache(b, t + 4)
+        logits, taps = model(ids, pos, cache, valid, taps=(0, 1), logits_at=last)
+        got[ragged] = (logits, taps, cache)
+    (lr, tr, cr), (lm, tm, cm) = got[True], got[False]
+    assert (lr - lm).abs().max().item() < 1e-5
+    for i in (0, 1):
+        assert ((tr[i] - tm[i]).abs() * valid[..., None]).max().item() < 1e-5
+    for r, n in enumerate(lengths):  # the cache a decode reads next: every row's n positions
+        assert (cr.k[:, r, :, :n] - cm.k[:, r, :, :n]).abs().max().item() < 1e-5
+        assert (cr.v[:, r, :, :n] - cm.v[:, r, :, :n]).abs().max().item() < 1e-5
+        alone, _ = model(ids[r : r + 1, :n], pos[:1, :n], model.new_cache(1, n + 1))
+        assert (alone[0, -1] - lr[r, 0]).abs().max().item() < 1e-4
