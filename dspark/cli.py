@@ -254,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     from dspark.errors import DsparkError
+    from dspark.procs import adopt_niceness
     from dspark.stopping import Stopped
+
+    adopt_niceness()  # a stage a flow started in a session of its own keeps its niceness
 
     try:
         if args.command == "provision" and (args.plan_only or args.teardown):

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from dspark.procs import adopt_niceness
+
 log = logging.getLogger("dspark.producer")
 
 
@@ -329,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("DSPARK_LOG", "WARNING"), format="%(asctime)s %(name)s: %(message)s"
     )
+    adopt_niceness()  # a session of its own: keep the stage's niceness (a nice-19 full run)
     cfg = ProducerConfig(**json.loads(Path(argv[0]).read_text()))
     try:
         n = serve(cfg)

@@ -8,11 +8,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from dspark.procs import alive, stop_processes
 from tasks import proc
+from tests.conftest import ROOT
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 # Ignores SIGTERM, then says it is ready (so the test does not race its handler's install).
@@ -154,3 +156,25 @@ def test_a_stage_run_is_given_its_grace_to_finish_when_the_caller_stops(tmp_path
             )
         assert out.exists() == saved, f"grace {grace}"
         assert time.monotonic() - t0 < grace + 10
+
+
+@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroup scheduling")
+def test_a_session_leader_gives_its_autogroup_its_niceness():
+    """A child in a session of its own (as the producers and flow-run stages are) carries its
+    niceness into the session's autogroup, which is what the scheduler shares CPU by; in the
+    caller's session it leaves the caller's autogroup alone. (A session inside a cgroup with its
+    own CPU controller, as in CI, reads an empty autogroup file: only autogroups are shown.)"""
+    code = (
+        "from dspark.procs import adopt_niceness; adopt_niceness(); "
+        "print(open('/proc/self/autogroup').read().strip())"
+    )
+    argv = ["nice", "-n", "7", sys.executable, "-c", code]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    alone = subprocess.run(argv, capture_output=True, text=True, env=env, start_new_session=True)
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stdout.strip().endswith("nice 7"), alone.stdout
+    before = Path("/proc/self/autogroup").read_text()
+    inside = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert inside.returncode == 0, inside.stderr
+    assert inside.stdout.strip() == before.strip()  # the child shares ours...
+    assert Path("/proc/self/autogroup").read_text() == before  # ...and left it untouched
