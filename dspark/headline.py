@@ -72,3 +72,67 @@ def headline(docs: dict[str, dict]) -> tuple[dict[str, float], dict[str, str]]:
 def _put(out: dict[str, float], key: str, value) -> None:
     if isinstance(value, int | float) and not isinstance(value, bool):
         out[key] = float(value)
+
+
+def _interval(ci, digits: int = 2) -> str:
+    if not (isinstance(ci, list | tuple) and len(ci) == 2):
+        return ""
+    return f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def summary(docs: dict[str, dict], mlflow: str, profile: str, folder: str = "metrics") -> str:
+    """What a pipeline run ends by printing: where the time went, tau per method with its
+    interval, the pairs, the single-stream speedup over `none`, and where to look next.
+    `mlflow` is how to reach the tracking UI (a link, or the command that serves the store);
+    `folder` is where the metrics files are, relative to the repository."""
+    ev, bench, train, run = (docs.get(k) or {} for k in ("eval", "bench", "train", "run"))
+    lines = [f"dspark {profile} run"]
+    stages = run.get("stages") or {}
+    if stages:
+        parts = ", ".join(
+            f"{name} {s['wall_s']:.0f} s" + (" (cached)" if s.get("cached") else "")
+            for name, s in stages.items()
+            if isinstance(s, dict) and isinstance(s.get("wall_s"), int | float)
+        )
+        lines.append(f"  stages: {run.get('total_wall_s', 0):.0f} s in all: {parts}")
+    mean, ci = ev.get("mean") or {}, ev.get("mean_ci95") or {}
+    if mean:
+        taus = ", ".join(
+            f"{m} {t:.2f}{_interval(ci.get(m))}"
+            for m, t in mean.items()
+            if t is not None and m != BASELINE_MODE
+        )
+        lines.append(f"  tau (mean of the nine categories, 95% interval): {taus}")
+    if ev.get("pairs"):
+        pairs = ", ".join(
+            f"{name} {p['ratio']:.3f}{_interval(p.get('ci95'), 3)}"
+            for name, p in ev["pairs"].items()
+        )
+        lines.append(f"  tau ratios, same prompts: {pairs}")
+    sims = {d: b["tau_sim"] for d, b in train.items() if isinstance(b, dict) and "tau_sim" in b}
+    if sims:
+        held = ", ".join(f"{d} {t:.3f}" for d, t in sims.items())
+        lines.append(f"  held-out tau_sim after training: {held}")
+    lossless = ev.get("lossless")
+    if isinstance(lossless, dict):
+        lines.append(
+            f"  lossless: {lossless.get('mismatches')} mismatches, {lossless.get('ties')} ties "
+            f"over {lossless.get('positions')} path positions"
+        )
+    speedups = {
+        m: row["speedup_c1"]
+        for m, row in (bench.get("overall") or {}).items()
+        if m != BASELINE_MODE and isinstance(row, dict) and row.get("speedup_c1") is not None
+    }
+    if speedups:
+        best = max(speedups, key=speedups.get)
+        each = ", ".join(f"{m} {s:.2f}x" for m, s in speedups.items())
+        lines.append(f"  single stream over none (HTTP, c=1): {each}; best {best}")
+    lines += [
+        "  where to look:",
+        f"    MLflow: {mlflow}",
+        f"    reports: {folder}/eval_report.md, {folder}/bench_report.md",
+        "    plots: plots/train_curves.png, plots/eval.png, plots/bench.png (`dvc plots show`)",
+        f"    every figure: {folder}/*.json; reproduce: dvc repro",
+    ]
+    return "\n".join(lines)

@@ -15,6 +15,7 @@ from prefect.runtime import flow_run
 from dspark import stages
 from dspark.config import load_params
 from dspark.errors import ConfigError
+from dspark.headline import read_docs, summary
 from dspark.io import write_text
 from dspark.metrics import git_commit
 from flows.stages import STAGE_FLOWS
@@ -66,6 +67,12 @@ def dspark(profile: str = "default", root: str = str(ROOT)) -> dict:
         runs_page = tracker.ui_url()
         if runs_page:
             logger.info("MLflow: %s (this run: %s)", runs_page, tracker.ui_url(parent))
+        mlflow = runs_page or (
+            f"mlflow server --backend-store-uri {tracker.client.tracking_uri} "
+            "--host 127.0.0.1 --port 5000 --workers 1, then http://127.0.0.1:5000"
+        )
+        docs = read_docs((root_path / stages.RUN_SUMMARY).parent, profile)
+        logger.info("%s", summary(docs, mlflow, profile))
         ok = True
     finally:
         tracker.finish(parent, ok)

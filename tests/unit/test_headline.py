@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.headline import headline, read_docs
+from dspark.headline import headline, read_docs, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,3 +61,32 @@ def test_missing_stale_and_cached_files(tmp_path):
     assert tags["cached_stages"] == "train"
     assert "tau_sim.dspark" in headline(read_docs(tmp_path))[0]  # no profile: any file counts
     assert headline({}) == ({}, {})
+
+
+@pytest.mark.parametrize("folder", ["metrics", "metrics/full"])
+def test_the_printed_summary_of_the_committed_metrics(folder):
+    """What `make run` ends by printing: every method's tau with its interval, every pair, the
+    held-out tau_sim, every mode's single-stream speedup, and where to look."""
+    docs = read_docs(ROOT / folder)
+    text = summary(docs, "mlflow server --backend-store-uri sqlite:///mlflow.db", "p", folder)
+    ev, bench, train = docs["eval"], docs["bench"], docs["train"]
+    for m, tau in ev["mean"].items():
+        if m != "none":
+            lo, hi = ev["mean_ci95"][m]
+            assert f"{m} {tau:.2f} [{lo:.2f}, {hi:.2f}]" in text
+    assert "none 1.00" not in text  # the plain target is the baseline, not a row
+    for name, p in ev["pairs"].items():
+        assert f"{name} {p['ratio']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]" in text
+    assert f"dspark {train['dspark']['tau_sim']:.3f}" in text
+    for mode, row in bench["overall"].items():
+        if mode != "none":
+            assert f"{mode} {row['speedup_c1']:.2f}x" in text
+    assert f"{docs['run']['total_wall_s']:.0f} s in all" in text
+    assert "MLflow: mlflow server --backend-store-uri sqlite:///mlflow.db" in text
+    assert f"{folder}/eval_report.md" in text
+
+
+def test_a_summary_without_metrics_still_says_where_to_look():
+    text = summary({}, "http://127.0.0.1:5000", "smoke")
+    assert text.splitlines()[0] == "dspark smoke run"
+    assert "tau" not in text and "MLflow: http://127.0.0.1:5000" in text
