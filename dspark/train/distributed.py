@@ -251,9 +251,7 @@ def spawn_ranks(params: Params, paths: Any) -> Iterator[Ranks]:
         except BaseException as e:
             # Stop the others while the group is up: one that saw it close would report that.
             stop_processes(procs.values())
-            # None: stuck in the kernel. 128 + signal: stopped on request, like rank 0.
-            stopped = (0, -signal.SIGTERM, -signal.SIGKILL, None, *(128 + s for s in SIGNALS))
-            failed = [_failure(r, p, job) for r, p in procs.items() if p.returncode not in stopped]
+            failed = failed_ranks(procs, job)
             # A rank's own error is the cause of a collective that broke under rank 0.
             if failed and not isinstance(e, errors.DsparkError | RankFailed | Stopped):
                 raise failed[0] from e
@@ -261,6 +259,21 @@ def spawn_ranks(params: Params, paths: Any) -> Iterator[Ranks]:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def failed_ranks(procs: dict[int, subprocess.Popen], job: Path) -> list[Exception]:
+    """The errors of the ranks that failed on their own, after rank 0 stopped them all.
+
+    A rank that left its error file failed whatever its exit status: it leaves the group
+    after writing the file, so rank 0 can see the collective break and stop it while it is
+    still exiting (its status then reads as stopped; CI saw this)."""
+    # None: stuck in the kernel. 128 + signal: stopped on request, like rank 0.
+    stopped = (0, -signal.SIGTERM, -signal.SIGKILL, None, *(128 + s for s in SIGNALS))
+    return [
+        _failure(r, p, job)
+        for r, p in procs.items()
+        if error_file(job, r).is_file() or p.returncode not in stopped
+    ]
 
 
 def _start(rank: int, world: int, port: int, job: Path) -> subprocess.Popen:

@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         train_rank(params, paths, progress=False, ranks=Ranks(rank, world, device))
     except errors.DsparkError as e:
         error = {"kind": type(e).__name__, "message": str(e)}
-        error_file(job, rank).write_text(json.dumps(error))
+        # Whole before it appears: rank 0 may read it the moment this rank leaves the group.
+        path = error_file(job, rank)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(error))
+        tmp.replace(path)
         return 2
     except Stopped as e:  # rank 0 says so, and wrote the checkpoint
         return e.code
