@@ -254,6 +254,13 @@ OutputScale = Annotated[
 ]
 
 
+# Not in the block drafts' published losses (CE + TV for DSpark, CE for DFlash): the soft target
+# EAGLE-3 trains on, as a lever for the sweeps.
+KlWeight = Annotated[
+    float, Field(ge=0.0, description="weight of the forward KL to the target's distribution")
+]
+
+
 class DSparkDraftConfig(Section):
     """DeepSpec's published DSpark recipe (lr 6e-4, 4% warmup, cosine, clip 1.0, CE 0.1 + TV
     0.9 decayed by exp(-k/4), confidence BCE alpha 1, 512 anchors, Markov rank 256 vanilla)."""
@@ -269,6 +276,16 @@ class DSparkDraftConfig(Section):
         True, description="the confidence head also sees the Markov previous-token embedding"
     )
     max_anchors: PosInt = Field(512, description="anchors sampled per sequence")
+    context_scale: bool = Field(
+        False,
+        description="scale each target feature channel to unit RMS (measured on the first "
+        "training batch) before fc; folded into fc at export",
+    )
+    num_kv_heads: PosInt | None = Field(
+        None,
+        description="key/value heads of the draft's attention (None: the target's). The context "
+        "features reach a block only through its values: more heads widen that path",
+    )
     mask_token_id: NonNegInt | None = Field(
         None,
         description="token filling the non-anchor slots (None: the first special token the "
@@ -276,6 +293,7 @@ class DSparkDraftConfig(Section):
     )
     ce_weight: Annotated[float, Field(ge=0.0)] = 0.1
     tv_weight: Annotated[float, Field(ge=0.0)] = 0.9
+    kl_weight: KlWeight = 0.0
     gamma: Annotated[float, Field(gt=0.0)] = Field(4.0, description="slot k weighs exp(-k/gamma)")
     confidence_weight: Annotated[float, Field(ge=0.0)] = Field(
         1.0, description="alpha: weight of the confidence BCE"
@@ -303,6 +321,7 @@ class DFlashDraftConfig(Section):
         None, description="anchors sampled per sequence (None: train.dspark's)"
     )
     gamma: Annotated[float, Field(gt=0.0)] = Field(4.0, description="slot k weighs exp(-k/gamma)")
+    kl_weight: KlWeight = 0.0
     output_scale: OutputScale = 1.0
     optim: OptimConfig = OptimConfig()
 

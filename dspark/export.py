@@ -79,6 +79,7 @@ def speculators_config(
     }
     layer_cfg.update(
         num_hidden_layers=cfg.num_layers,
+        num_key_value_heads=cfg.layer.num_kv_heads,  # a sweep may widen the draft's
         layer_types=["full_attention"] * cfg.num_layers,
         tie_word_embeddings=False,
     )
@@ -144,7 +145,7 @@ def export_speculators(
     doc = speculators_config(
         cfg, verifier_config, verifier_path, verifier_local_path=verifier_local_path
     )
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors = {k: v.detach().contiguous() for k, v in model.folded_state().items()}
     reduced = cfg.draft_vocab_size != cfg.vocab_size
     if reduced:
         d2t = draft_ids.to(torch.int64) - torch.arange(cfg.draft_vocab_size)

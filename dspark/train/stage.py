@@ -98,14 +98,24 @@ def build_runs(
     embed = target.embed.to(device)
     rows = target.lm_head.weight.detach()[draft_ids].clone()
     d = t.dspark
+    if d.num_kv_heads is not None:
+        if shape.num_heads % d.num_kv_heads:
+            raise ConfigError(
+                f"train.dspark.num_kv_heads: {d.num_kv_heads} does not divide the target's "
+                f"{shape.num_heads} attention heads"
+            )
+        shape_block = replace(shape, num_kv_heads=d.num_kv_heads)
+    else:
+        shape_block = shape
     # What the two block drafts share: DSpark over DFlash then measures the heads alone.
     block = dict(
-        layer=shape,
+        layer=shape_block,
         block_size=d.block_size,
         aux_layers=tuple(aux_layers),
         vocab_size=target.vocab_size,
         draft_vocab_size=int(draft_ids.numel()),
         mask_token_id=mask_id,
+        context_scale=d.context_scale,
     )
     base = DSparkConfig(
         num_layers=d.num_layers,
@@ -116,7 +126,11 @@ def build_runs(
         confidence_with_markov=d.confidence_with_markov and d.markov_rank > 0,
     )
     dspark_weights = LossWeights(
-        ce=d.ce_weight, tv=d.tv_weight, gamma=d.gamma, confidence=d.confidence_weight
+        ce=d.ce_weight,
+        tv=d.tv_weight,
+        kl=d.kl_weight,
+        gamma=d.gamma,
+        confidence=d.confidence_weight,
     )
     runs: list[DraftRun] = []
 
@@ -153,7 +167,8 @@ def build_runs(
         with torch.no_grad():
             model.norm.weight.copy_(target.norm.weight * f.output_scale)
         model.to(device)
-        weights = LossWeights(ce=1.0, tv=0.0, gamma=f.gamma)  # its authors' loss: CE alone
+        # Its authors' loss, CE alone, unless a sweep adds the KL lever.
+        weights = LossWeights(ce=1.0, tv=0.0, kl=f.kl_weight, gamma=f.gamma)
         runs.append(
             DraftRun(
                 name="dflash",

@@ -305,6 +305,8 @@ class Trainer:
         batch = collate(samples or [self._blank()], self.head)
         settle(self.head.draft_ids.device)
         prep = time.perf_counter() - t0
+        if self.step == 0:
+            self._calibrate(batch, real=bool(samples))
         part, tokens = None, batch.tokens
         if self.ranks is not None:
             rows = anchor_candidates(batch).sum(1).tolist() if samples else []
@@ -318,6 +320,20 @@ class Trainer:
         self.tokens += tokens
         if self.events:
             self.events.log(self.step, tokens=self.tokens, **logged)
+
+    def _calibrate(self, batch: Batch, real: bool) -> None:
+        """Drafts with a context scale measure it on the first global batch, before its step."""
+        models = [r.model for r in self.runs if getattr(r.model.cfg, "context_scale", False)]
+        if not models:
+            return
+        seen = torch.arange(batch.aux.shape[1], device=batch.aux.device) < batch.lengths[:, None]
+        seen &= real  # a rank's blank stand-in adds nothing
+        square_sum = (batch.aux.double().pow(2) * seen[..., None]).sum((0, 1))  # [L*H]
+        sums = torch.cat((square_sum, seen.sum().double()[None]))
+        if self.ranks is not None:
+            sums = self.ranks.sum(sums)
+        for model in models:
+            model.calibrate_context(sums[:-1], float(sums[-1]))
 
     def _blank(self) -> Sample:
         cfg = self.runs[0].model.cfg

@@ -45,14 +45,14 @@ def samples(tiny_target) -> list[Sample]:
     return out
 
 
-def tiny_params(smoke_params, **train):
+def tiny_params(smoke_params, dspark: dict | None = None, **train):
     from dspark.config import Params
 
     tree = smoke_params.model_dump()
     tree["train"].update(
         draft_vocab_size=256, batch_size=2, epochs=2, eval_samples=2, checkpoint_every=3, **train
     )
-    tree["train"]["dspark"].update(block_size=4, markov_rank=16)
+    tree["train"]["dspark"].update(block_size=4, markov_rank=16, **(dspark or {}))
     return Params.model_validate(tree)
 
 
@@ -97,8 +97,10 @@ def memory_source(samples, fail_after: int | None = None):
     return open_source
 
 
-def test_resume_continues_bit_exact(smoke_params, tiny_target, samples, tmp_path):
-    params = tiny_params(smoke_params)
+@pytest.mark.parametrize("context_scale", [False, True])
+def test_resume_continues_bit_exact(smoke_params, tiny_target, samples, tmp_path, context_scale):
+    # The context scale is measured at step 0, then checkpointed with the weights.
+    params = tiny_params(smoke_params, dspark={"context_scale": context_scale})
     ids = [s.sample_id for s in samples]
     train_ids, eval_ids = ids[2:], ids[:2]
 
@@ -401,3 +403,92 @@ def test_targets_from_the_extracted_top_k_are_the_lm_heads(tiny_target, samples,
     has = fast.labels >= 0  # a position whose k best hold no draft token has no label
     assert bool(has[exact.valid].any()) and torch.equal(fast.labels[has], exact.labels[has])
     assert bool((fast.labels[exact.valid & ~has] == -1).all())
+
+
+def test_the_block_drafts_take_the_sweep_levers_kv_heads_and_kl(
+    smoke_params, tiny_target, samples, tmp_path
+):
+    """train.dspark.num_kv_heads widens both block drafts' attention (and their export);
+    kl_weight adds the forward KL to DSpark's loss and, set apart, to DFlash's."""
+    from dspark.config import Params
+    from dspark.errors import ConfigError
+
+    heads = tiny_target.model.config.num_attention_heads
+    tree = tiny_params(smoke_params).model_dump()
+    tree["train"]["dspark"].update(num_kv_heads=heads, kl_weight=0.5)
+    tree["train"]["dflash"].update(kl_weight=2.0)
+    params = Params.model_validate(tree)
+    draft_ids = build_draft_ids(count_tokens(samples, tiny_target.vocab_size), 256)
+    runs = {r.name: r for r in build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)}
+    for name in ("dspark", "dflash"):
+        s = runs[name].model.cfg.layer
+        assert s.num_kv_heads == heads, name
+        assert runs[name].model.layers[0].self_attn.k_proj.out_features == heads * s.head_dim
+    eagle3_kv = runs["eagle3"].model.cfg.layer.num_kv_heads
+    assert eagle3_kv == tiny_target.model.config.num_key_value_heads  # its own, untouched
+    assert runs["dspark"].objective.weights.kl == 0.5 and runs["dflash"].objective.weights.kl == 2.0
+
+    batch = collate(samples[:2], TargetHead(tiny_target.norm, tiny_target.lm_head, draft_ids))
+    out = runs["dspark"].objective(runs["dspark"].model, batch, torch.Generator().manual_seed(0))
+    parts = 0.1 * out["loss_ce"] + params.train.dspark.tv_weight * out["loss_tv"]
+    parts = parts + 0.5 * out["loss_kl"] + out["loss_confidence"]
+    assert float(out["loss_kl"]) > 0.0 and torch.allclose(out["loss"], parts)
+
+    model = runs["dspark"].model
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.1)
+    doc = export_speculators(
+        model,
+        draft_ids,
+        tmp_path / "wide",
+        verifier_config=tiny_target.model.config.to_dict(),
+        verifier_path="tiny",
+    )
+    assert doc["transformer_layer_config"]["num_key_value_heads"] == heads
+    back, _ = import_speculators(tmp_path / "wide", tiny_target.embed, tiny_target.lm_head)
+    assert back.cfg == model.cfg and roundtrip_diff(model, back) == 0.0
+
+    tree["train"]["dspark"]["num_kv_heads"] = heads + 1
+    with pytest.raises(ConfigError, match=r"train\.dspark\.num_kv_heads"):
+        build_runs(Params.model_validate(tree), tiny_target, draft_ids, [0, 1], mask_id=3)
+
+
+def test_the_context_scale_is_the_first_batchs_rms_and_export_folds_it(
+    smoke_params, tiny_target, samples, tmp_path
+):
+    from dspark.train.sources import epoch_plan
+
+    params = tiny_params(smoke_params, dspark={"context_scale": True}, max_steps=1)
+    ids = [s.sample_id for s in samples]
+    train_ids, eval_ids = ids[2:], ids[:2]
+    trainer = make_trainer(params, tiny_target, samples, tmp_path / "ckpt")
+    trainer.fit(memory_source(samples), train_ids, eval_ids)
+
+    c = params.train
+    first = epoch_plan(train_ids, 0, c.seed, c.batch_size, c.shuffle_window)[0]
+    feats = torch.cat(
+        [samples[i].aux_hidden.float().permute(1, 0, 2).flatten(1) for i in first]
+    ).double()
+    want = 1.0 / feats.pow(2).mean(0).sqrt()  # [L*H] per channel, over the batch's tokens
+    runs = {r.name: r.model for r in trainer.runs}
+    for name in ("dspark", "dflash"):  # the block drafts share it; EAGLE-3 has its own input norm
+        assert torch.allclose(runs[name].aux_scale.double(), want, rtol=1e-5), name
+    assert not torch.allclose(want, torch.ones_like(want)) and not hasattr(
+        runs["eagle3"], "aux_scale"
+    )
+
+    model = runs["dspark"]
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.1)
+    draft_ids = trainer.head.draft_ids
+    export_speculators(
+        model,
+        draft_ids,
+        tmp_path / "export",
+        verifier_config=tiny_target.model.config.to_dict(),
+        verifier_path="tiny",
+    )
+    assert "aux_scale" not in load_file(tmp_path / "export" / "model.safetensors")
+    back, _ = import_speculators(tmp_path / "export", tiny_target.embed, tiny_target.lm_head)
+    assert back.cfg.context_scale is False  # speculators' plain fc, the scale inside it
+    assert roundtrip_diff(model, back) < 1e-4
