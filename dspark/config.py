@@ -320,6 +320,9 @@ class DFlashDraftConfig(Section):
     max_anchors: PosInt | None = Field(
         None, description="anchors sampled per sequence (None: train.dspark's)"
     )
+    num_kv_heads: PosInt | None = Field(
+        None, description="key/value heads (None: train.dspark's, or the target's)"
+    )
     gamma: Annotated[float, Field(gt=0.0)] = Field(4.0, description="slot k weighs exp(-k/gamma)")
     kl_weight: KlWeight = 0.0
     output_scale: OutputScale = 1.0

@@ -98,18 +98,20 @@ def build_runs(
     embed = target.embed.to(device)
     rows = target.lm_head.weight.detach()[draft_ids].clone()
     d = t.dspark
-    if d.num_kv_heads is not None:
-        if shape.num_heads % d.num_kv_heads:
+
+    def widened(draft: str, kv_heads: int | None) -> LayerShape:
+        if kv_heads is None:
+            return shape
+        if shape.num_heads % kv_heads:
             raise ConfigError(
-                f"train.dspark.num_kv_heads: {d.num_kv_heads} does not divide the target's "
+                f"train.{draft}.num_kv_heads: {kv_heads} does not divide the target's "
                 f"{shape.num_heads} attention heads"
             )
-        shape_block = replace(shape, num_kv_heads=d.num_kv_heads)
-    else:
-        shape_block = shape
+        return replace(shape, num_kv_heads=kv_heads)
+
     # What the two block drafts share: DSpark over DFlash then measures the heads alone.
     block = dict(
-        layer=shape_block,
+        layer=widened("dspark", d.num_kv_heads),
         block_size=d.block_size,
         aux_layers=tuple(aux_layers),
         vocab_size=target.vocab_size,
@@ -161,7 +163,8 @@ def build_runs(
                 add_dspark(name, replace(cfg, confidence_with_markov=with_markov))
     if "dflash" in t.drafts:
         f = t.dflash
-        cfg = DFlashConfig(num_layers=f.num_layers or d.num_layers, **block)
+        layer = widened("dflash", f.num_kv_heads) if f.num_kv_heads else block["layer"]
+        cfg = DFlashConfig(num_layers=f.num_layers or d.num_layers, **{**block, "layer": layer})
         torch.manual_seed(t.seed)
         model = DFlashDraft(cfg, embed, rows)
         with torch.no_grad():

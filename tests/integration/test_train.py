@@ -448,9 +448,15 @@ def test_the_block_drafts_take_the_sweep_levers_kv_heads_and_kl(
     back, _ = import_speculators(tmp_path / "wide", tiny_target.embed, tiny_target.lm_head)
     assert back.cfg == model.cfg and roundtrip_diff(model, back) == 0.0
 
-    tree["train"]["dspark"]["num_kv_heads"] = heads + 1
-    with pytest.raises(ConfigError, match=r"train\.dspark\.num_kv_heads"):
-        build_runs(Params.model_validate(tree), tiny_target, draft_ids, [0, 1], mask_id=3)
+    own = tiny_target.model.config.num_key_value_heads  # DFlash may keep the target's
+    tree["train"]["dflash"]["num_kv_heads"] = own
+    runs = build_runs(Params.model_validate(tree), tiny_target, draft_ids, [0, 1], mask_id=3)
+    assert [r.model.cfg.layer.num_kv_heads for r in runs] == [heads, own, own]
+
+    for draft in ("dflash", "dspark"):
+        tree["train"][draft]["num_kv_heads"] = heads + 1
+        with pytest.raises(ConfigError, match=rf"train\.{draft}\.num_kv_heads"):
+            build_runs(Params.model_validate(tree), tiny_target, draft_ids, [0, 1], mask_id=3)
 
 
 def test_the_context_scale_is_the_first_batchs_rms_and_export_folds_it(
