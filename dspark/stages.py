@@ -229,8 +229,36 @@ PROVENANCE_PACKAGES = (
     "needlehaystack",
 )
 
-# Every stage's result depends on the active profile and its overlay as well as its sections.
-PROFILE_KEYS = ("profile", "profiles.${profile}")
+
+
+def watched_params(stage: Stage) -> list[str]:
+    """The params.yaml keys DVC watches for a stage: the active profile's name, the stage's
+    sections, and the same sections of that profile's overlay, section by section. Watching the
+    whole overlay would make a train setting of the full profile re-run its hours of extraction;
+    so every profile names every section some stage reads (`{}` where it keeps the base)."""
+    overlay = [f"profiles.${{profile}}.{section}" for section in _sections(stage.params)]
+    return ["profile", *stage.params, *overlay]
+
+
+def _sections(keys) -> list[str]:
+    return list(dict.fromkeys(key.split(".")[0] for key in keys))
+
+
+def watched_sections() -> list[str]:
+    """The top-level sections some stage reads, in stage order: what each profile names."""
+    return _sections(key for s in STAGES for key in s.params)
+
+
+def missing_profile_sections(raw: dict) -> list[str]:
+    """`profiles.NAME.SECTION` keys a params.yaml lacks: DVC stops on them (MissingParamsError)."""
+    profiles = raw.get("profiles") or {}
+    return [
+        f"profiles.{name}.{section}"
+        for name, overlay in profiles.items()
+        for section in watched_sections()
+        if section not in (overlay or {})
+    ]
+
 
 STAGES: tuple[Stage, ...] = (
     Stage(
@@ -414,7 +442,7 @@ def dvc_yaml() -> str:
         entry: dict = {
             "cmd": f"dspark {s.name}",
             "deps": list(s.deps),
-            "params": [*PROFILE_KEYS, *s.params],
+            "params": watched_params(s),
             "outs": [
                 {o: {"persist": True}} if s.persist or o in s.persist_outs else o for o in s.outs
             ]

@@ -36,6 +36,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+PEER_THREAD = "coordinator-peer"  # one per producer connection, reading its messages
 
 
 def send(sock: socket.socket, lock: threading.Lock, msg: dict[str, Any]) -> bool:
@@ -154,13 +155,20 @@ class Coordinator:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(sock,), name=PEER_THREAD, daemon=True
+            ).start()
 
     def _serve(self, sock: socket.socket) -> None:
         peer: _Peer | None = None
         for msg in lines(sock):
             kind = msg.get("type")
             with self._cv:
+                if kind == "hello" and self._closed:
+                    # Reconnected after the stream ended (close() told only the peers it had):
+                    # without `done` it would wait out reconnect_for on a closed port.
+                    send(sock, threading.Lock(), {"type": "done"})
+                    break
                 if kind == "hello" and self.run_id and msg.get("run_id") != self.run_id:
                     self.stats.stale_turned_away += 1
                     log.warning(

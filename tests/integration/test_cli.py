@@ -1,7 +1,8 @@
+import itertools
 import subprocess
 import sys
 
-from dspark.stages import STAGES, dvc_yaml
+from dspark.stages import STAGES, dvc_yaml, watched_params
 
 from ..conftest import ROOT, tool_env
 
@@ -36,11 +37,11 @@ def test_every_stage_param_is_written_in_params_yaml():
     import yaml
 
     raw = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for stage in STAGES:
-        for key in stage.params:
+    for stage, profile in itertools.product(STAGES, raw["profiles"]):
+        for key in watched_params(stage):
             node = raw
-            for part in key.split("."):
-                assert isinstance(node, dict) and part in node, f"{stage.name}: {key}"
+            for part in key.replace("${profile}", profile).split("."):
+                assert isinstance(node, dict) and part in node, f"{stage.name}: {key} ({profile})"
                 node = node[part]
 
 

@@ -4,6 +4,8 @@ repo, the train stage committed as it stands, then one default edited in the cop
 import json
 import subprocess
 
+import yaml
+
 from ..conftest import copy_repo, tool_env
 
 # A default that params.yaml leaves unset, so only config.py decides it.
@@ -19,14 +21,21 @@ def dvc(repo, *args) -> str:
     return res.stdout
 
 
-def train_status(repo) -> list:
-    return json.loads(dvc(repo, "status", "train", "--json") or "{}").get("train", [])
+def stage_status(repo, stage="train") -> list:
+    return json.loads(dvc(repo, "status", stage, "--json") or "{}").get(stage, [])
+
+
+def placeholders(repo, *rels) -> None:
+    for rel in rels:
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(rel)
 
 
 def test_a_changed_default_reruns_the_stage_and_an_unrelated_module_does_not(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     # The stage's data and outputs, as placeholders: the code deps are what is under test.
-    for rel in (
+    placeholders(
+        repo,
         "artifacts/target/t",
         "artifacts/shards/s",
         "artifacts/hidden/h",
@@ -34,20 +43,45 @@ def test_a_changed_default_reruns_the_stage_and_an_unrelated_module_does_not(tmp
         "artifacts/checkpoints/train/c",
         "plots/train_curves.csv",
         "plots/train_curves.png",
-    ):
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        (repo / rel).write_text(rel)
-    (repo / "metrics").mkdir(exist_ok=True)
-    (repo / "metrics/train.json").write_text("{}")
+        "metrics/train.json",
+    )
     dvc(repo, "commit", "--force", "train")
-    assert train_status(repo) == []
+    assert stage_status(repo) == []
 
     client = repo / "dspark/serve/client.py"  # serving code: train never runs it
     client.write_text(client.read_text() + "\n# an edit train does not run\n")
-    assert train_status(repo) == []
+    assert stage_status(repo) == []
 
     config = repo / "dspark/config.py"
     assert DEFAULT in config.read_text()
     config.write_text(config.read_text().replace(DEFAULT, EDITED))
-    changed = train_status(repo)
+    changed = stage_status(repo)
     assert {"changed deps": {"dspark/config.py": "modified"}} in changed, changed
+
+
+def test_a_profile_train_setting_leaves_its_extraction_cached(tmp_path):
+    """The full profile's epochs changed between sessions must not re-run hours of extraction;
+    its extract settings must."""
+    repo = copy_repo(tmp_path / "repo")
+    path = repo / "params.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw["profile"] = "full"
+    path.write_text(yaml.safe_dump(raw))
+    placeholders(
+        repo,
+        "artifacts/target/t",
+        "artifacts/shards/s",
+        "artifacts/hidden/h",
+        "metrics/extract.json",
+    )
+    dvc(repo, "commit", "--force", "extract")
+    assert stage_status(repo, "extract") == []
+
+    raw["profiles"]["full"]["train"]["epochs"] += 1
+    path.write_text(yaml.safe_dump(raw))
+    assert stage_status(repo, "extract") == []
+
+    raw["profiles"]["full"]["extract"] = {"workers": 3}
+    path.write_text(yaml.safe_dump(raw))
+    changed = stage_status(repo, "extract")
+    assert {"changed deps": {"params.yaml": {"profiles.full.extract": "modified"}}} in changed

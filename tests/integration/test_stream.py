@@ -466,11 +466,17 @@ def test_killed_consumer_restarts_and_producers_reconnect(
                 max_in_flight=4,
                 heartbeat_timeout=3,
             )
+            # Both must come back (the point of the test), and before the stream drains: a
+            # loaded machine can finish it with one producer while the other is still away.
+            deadline = time.monotonic() + 30  # their reconnect_for
+            while coordinator.live_producers() < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert coordinator.live_producers() == 2
             store = MooncakeStore(master.address, segment_bytes=0, buffer_bytes=16 << 20)
             rest = list(StreamConsumer(coordinator, store, idle_timeout=60))
             coordinator.close()
             for p in producers:
-                p.wait(30)  # they finish on `done`
+                p.wait(60)  # they finish on `done`
         finally:
             for p in producers:
                 if p.poll() is None:

@@ -250,6 +250,22 @@ def test_draft_checkpoint_round_trips_and_rejects_mismatches(
         load_draft(folder, tiny_target.embed)
 
 
+def exported_back(model, draft_ids, target, folder):
+    """Random weights (so a lost tensor shows), exported in speculators' format and imported
+    back -> (config.json's doc, the imported draft, its draft ids)."""
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.1)
+    doc = export_speculators(
+        model,
+        draft_ids,
+        folder,
+        verifier_config=target.model.config.to_dict(),
+        verifier_path="tiny",
+    )
+    back, back_ids = import_speculators(folder, target.embed, target.lm_head)
+    return doc, back, back_ids
+
+
 @pytest.mark.parametrize("variant,rank", [("vanilla", 16), ("rnn", 16), ("vanilla", 0)])
 def test_speculators_export_imports_back_exactly(
     smoke_params, tiny_target, samples, tmp_path, variant, rank
@@ -264,22 +280,13 @@ def test_speculators_export_imports_back_exactly(
     params = Params.model_validate(tree)
     draft_ids = build_draft_ids(count_tokens(samples, tiny_target.vocab_size), 256)
     model = build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)[0].model
-    for p in model.parameters():
-        nn.init.normal_(p, std=0.1)
-    doc = export_speculators(
-        model,
-        draft_ids,
-        tmp_path / "export",
-        verifier_config=tiny_target.model.config.to_dict(),
-        verifier_path="tiny",
-    )
+    doc, back, back_ids = exported_back(model, draft_ids, tiny_target, tmp_path / "export")
     assert doc["speculators_model_type"] == "dspark"
     assert doc["aux_hidden_state_layer_ids"] == [1, 2]  # HF hidden_states indexing
     assert doc["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
     tensors = load_file(tmp_path / "export" / "model.safetensors")
     assert torch.equal(torch.arange(256) + tensors["d2t"], draft_ids)
     assert int(tensors["t2d"].sum()) == 256 and "embed_tokens.weight" not in tensors
-    back, back_ids = import_speculators(tmp_path / "export", tiny_target.embed, tiny_target.lm_head)
     assert torch.equal(back_ids, draft_ids)
     assert roundtrip_diff(model, back) == 0.0
 
@@ -435,17 +442,8 @@ def test_the_block_drafts_take_the_sweep_levers_kv_heads_and_kl(
     assert float(out["loss_kl"]) > 0.0 and torch.allclose(out["loss"], parts)
 
     model = runs["dspark"].model
-    for p in model.parameters():
-        nn.init.normal_(p, std=0.1)
-    doc = export_speculators(
-        model,
-        draft_ids,
-        tmp_path / "wide",
-        verifier_config=tiny_target.model.config.to_dict(),
-        verifier_path="tiny",
-    )
+    doc, back, _ = exported_back(model, draft_ids, tiny_target, tmp_path / "wide")
     assert doc["transformer_layer_config"]["num_key_value_heads"] == heads
-    back, _ = import_speculators(tmp_path / "wide", tiny_target.embed, tiny_target.lm_head)
     assert back.cfg == model.cfg and roundtrip_diff(model, back) == 0.0
 
     own = tiny_target.model.config.num_key_value_heads  # DFlash may keep the target's
@@ -484,17 +482,7 @@ def test_the_context_scale_is_the_first_batchs_rms_and_export_folds_it(
     )
 
     model = runs["dspark"]
-    for p in model.parameters():
-        nn.init.normal_(p, std=0.1)
-    draft_ids = trainer.head.draft_ids
-    export_speculators(
-        model,
-        draft_ids,
-        tmp_path / "export",
-        verifier_config=tiny_target.model.config.to_dict(),
-        verifier_path="tiny",
-    )
+    _, back, _ = exported_back(model, trainer.head.draft_ids, tiny_target, tmp_path / "export")
     assert "aux_scale" not in load_file(tmp_path / "export" / "model.safetensors")
-    back, _ = import_speculators(tmp_path / "export", tiny_target.embed, tiny_target.lm_head)
     assert back.cfg.context_scale is False  # speculators' plain fc, the scale inside it
     assert roundtrip_diff(model, back) < 1e-4

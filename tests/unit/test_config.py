@@ -143,3 +143,7 @@ def test_validate_cli_exit_codes(tmp_path):
     assert len(lines) == 1 and "prepare.num_samples" in lines[0]
     missing = run_cli("validate", str(tmp_path / "absent.yaml"))
     assert missing.returncode == 2 and "no such file" in missing.stderr
+    # DVC would stop on a profile section it watches but the file lacks: say so first.
+    lacking = write(tmp_path, PARAMS.replace("    provision: {}\n", "", 1))
+    res = run_cli("validate", str(lacking))
+    assert res.returncode == 2 and "profiles.smoke.provision is missing" in res.stderr

@@ -2,19 +2,22 @@
 
 import json
 import socket
+import threading
 import time
 
 import pytest
 
-from dspark.transport.control import Coordinator
+from dspark.transport.control import PEER_THREAD, Coordinator
 
 
 class FakeProducer:
-    def __init__(self, address, name="fake", run_id=""):
+    def __init__(self, address, name="fake", run_id="", hello=True):
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=5)
         self.buf = b""
-        self.send({"type": "hello", "producer": name, "run_id": run_id})
+        self.hello = {"type": "hello", "producer": name, "run_id": run_id}
+        if hello:
+            self.send(self.hello)
 
     def send(self, msg):
         self.sock.sendall((json.dumps(msg) + "\n").encode())
@@ -124,6 +127,18 @@ def test_a_producer_of_another_run_is_told_done_and_fed_nothing():
         assert assigned == [0, 1]
     finally:
         coordinator.close()
+
+
+def test_a_hello_after_close_is_told_done():
+    """A producer's reconnect accepted just as the stream ends: close() tells the peers it has,
+    so the late hello must hear `done` itself, or the producer waits out reconnect_for."""
+    coordinator = Coordinator([0], max_in_flight=1)
+    readers = {t for t in threading.enumerate() if t.name == PEER_THREAD}
+    late = FakeProducer(coordinator.address, "late", hello=False)
+    wait_until(lambda: any(t.name == PEER_THREAD for t in set(threading.enumerate()) - readers))
+    coordinator.close()
+    late.send(late.hello)
+    assert late.messages() == [{"type": "done"}]
 
 
 def assigned(msgs):
