@@ -271,19 +271,11 @@ def main(argv: list[str] | None = None) -> int:
             if code is not None:
                 return code
         if args.command == "validate":
-            from dspark.config import load_params, profile_names, read_yaml
-            from dspark.errors import ConfigError
-            from dspark.stages import missing_profile_sections
+            from dspark.config import load_params, profile_names
+            from dspark.stages import check_profile_sections
 
             params = load_params(args.file, profile=args.profile)
-            missing = missing_profile_sections(read_yaml(Path(args.file)))
-            if missing:
-                section = missing[0].rsplit(".", 1)[1]
-                raise ConfigError(
-                    f"{args.file}: {missing[0]} is missing; write `{section}: {{}}` there (DVC "
-                    f"watches every section of a profile by name)"
-                    + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
-                )
+            check_profile_sections(Path(args.file))
             print(
                 f"{args.file}: ok (profiles: {', '.join(profile_names(args.file))}; "
                 f"active: {params.profile})"

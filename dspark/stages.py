@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from dspark.codedeps import closure, imports_of_function
-from dspark.config import MARKOV_ABLATION, Params
+from dspark.config import MARKOV_ABLATION, Params, read_yaml
+from dspark.errors import ConfigError
 from dspark.io import write_json
 from dspark.metrics import stamp, write_metrics
 
@@ -230,7 +231,6 @@ PROVENANCE_PACKAGES = (
 )
 
 
-
 def watched_params(stage: Stage) -> list[str]:
     """The params.yaml keys DVC watches for a stage: the active profile's name, the stage's
     sections, and the same sections of that profile's overlay, section by section. Watching the
@@ -240,7 +240,7 @@ def watched_params(stage: Stage) -> list[str]:
     return ["profile", *stage.params, *overlay]
 
 
-def _sections(keys) -> list[str]:
+def _sections(keys: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(key.split(".")[0] for key in keys))
 
 
@@ -249,15 +249,26 @@ def watched_sections() -> list[str]:
     return _sections(key for s in STAGES for key in s.params)
 
 
-def missing_profile_sections(raw: dict) -> list[str]:
-    """`profiles.NAME.SECTION` keys a params.yaml lacks: DVC stops on them (MissingParamsError)."""
-    profiles = raw.get("profiles") or {}
+def missing_profile_sections(raw: dict) -> list[tuple[str, str]]:
+    """(profile, section) pairs the parsed params file lacks under `profiles:`."""
     return [
-        f"profiles.{name}.{section}"
-        for name, overlay in profiles.items()
+        (name, section)
+        for name, overlay in (raw.get("profiles") or {}).items()
         for section in watched_sections()
         if section not in (overlay or {})
     ]
+
+
+def check_profile_sections(path: Path) -> None:
+    """Stop before DVC does: on a watched key the file lacks, `dvc repro` removes the stage's
+    outputs and only then fails (MissingParamsError)."""
+    missing = missing_profile_sections(read_yaml(path))
+    if missing:
+        keys = ", ".join(f"profiles.{name}.{section}" for name, section in missing)
+        raise ConfigError(
+            f"{path}: {keys} missing; write `SECTION: {{}}` for each (DVC watches every "
+            f"section of a profile by name)"
+        )
 
 
 STAGES: tuple[Stage, ...] = (

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def set_profile(params_file: Path, profile: str) -> None:
     """Make `profile` the file's active profile, touching only that line."""
     load_params(params_file, profile=profile)  # validate before writing
+    stages.check_profile_sections(params_file)
     text = params_file.read_text()
     new, n = re.subn(r"^profile:[^\n#]*", f"profile: {profile}", text, count=1, flags=re.M)
     if n != 1:

@@ -86,8 +86,9 @@ def dvc_sets(params_file: Path, point: dict[str, object]) -> list[str]:
 
 def workspace_files(root: Path) -> list[Path]:
     """What a sweep puts back as it found it: params.yaml, dvc.lock, and the metrics and plots
-    every stage writes uncached. A point reruns the stages upstream of the swept one too (each
-    depends on the whole profile overlay the point changes), and they rewrite theirs."""
+    every stage writes uncached. A point may rerun stages upstream of the swept one too (those
+    watching the overlay section it changes: prepare reads train's block size), and they
+    rewrite theirs."""
     names = ["params.yaml", "dvc.lock"]
     for s in stages.STAGES:
         names += [s.metrics, *(p.path for p in s.plots)]
@@ -119,6 +120,7 @@ def sweep(
     spec = stages.get(stage)
     fixed = fixed or {}
     settings = [{**fixed, **p} for p in points]
+    stages.check_profile_sections(params_file)
     for s in settings:  # every point validates before the first one runs
         load_params(params_file, overrides=[f"{k}={_cli_value(v)}" for k, v in s.items()])
     params = load_params(params_file)

@@ -262,6 +262,8 @@ class Coordinator:
 
     def _schedule(self) -> None:
         """Hand out credits: the lowest pending ids to the least-loaded live producers."""
+        if self._closed:  # a `ready` or `delivered` after close() must not assign past `done`
+            return
         live = [p for p in self._peers.values() if p.alive]
         while live and self.pending and self._in_flight() < self.max_in_flight:
             peer = min(live, key=lambda p: len(p.outstanding))
@@ -327,6 +329,9 @@ class Coordinator:
             return sum(p.alive for p in self._peers.values())
 
     def close(self) -> None:
+        """Tell every producer `done`: those connected now here, a hello read later in `_serve`.
+        A connection still in the listen backlog is reset with the listener, and its producer
+        waits out `reconnect_for` before it gives up."""
         with self._cv:
             if self._closed:
                 return

@@ -1,5 +1,5 @@
-"""DVC reruns a stage when a default it runs on changes, and only then: a scratch copy of the
-repo, the train stage committed as it stands, then one default edited in the copy's code."""
+"""DVC reruns a stage when what it runs on changes, and only then: a scratch copy of the repo,
+a stage committed as it stands, then one default (or one profile setting) edited in the copy."""
 
 import json
 import subprocess
@@ -60,26 +60,26 @@ def test_a_changed_default_reruns_the_stage_and_an_unrelated_module_does_not(tmp
 
 
 def test_a_profile_train_setting_leaves_its_extraction_cached(tmp_path):
-    """The full profile's epochs changed between sessions must not re-run hours of extraction;
-    its extract settings must."""
-    repo = copy_repo(tmp_path / "repo")
-    path = repo / "params.yaml"
-    raw = yaml.safe_load(path.read_text())
-    raw["profile"] = "full"
-    path.write_text(yaml.safe_dump(raw))
+    """The full profile's epochs changed between sessions must not re-run hours of extraction
+    (or provision); its extract settings must."""
+    repo = copy_repo(tmp_path / "repo", profile="full")
     placeholders(
         repo,
         "artifacts/target/t",
+        "artifacts/plan.json",
         "artifacts/shards/s",
         "artifacts/hidden/h",
+        "metrics/provision.json",
         "metrics/extract.json",
     )
-    dvc(repo, "commit", "--force", "extract")
-    assert stage_status(repo, "extract") == []
+    dvc(repo, "commit", "--force", "provision", "extract")
+    assert stage_status(repo, "provision") == stage_status(repo, "extract") == []
 
+    path = repo / "params.yaml"
+    raw = yaml.safe_load(path.read_text())
     raw["profiles"]["full"]["train"]["epochs"] += 1
     path.write_text(yaml.safe_dump(raw))
-    assert stage_status(repo, "extract") == []
+    assert stage_status(repo, "provision") == stage_status(repo, "extract") == []
 
     raw["profiles"]["full"]["extract"] = {"workers": 3}
     path.write_text(yaml.safe_dump(raw))

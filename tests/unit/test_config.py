@@ -146,4 +146,4 @@ def test_validate_cli_exit_codes(tmp_path):
     # DVC would stop on a profile section it watches but the file lacks: say so first.
     lacking = write(tmp_path, PARAMS.replace("    provision: {}\n", "", 1))
     res = run_cli("validate", str(lacking))
-    assert res.returncode == 2 and "profiles.smoke.provision is missing" in res.stderr
+    assert res.returncode == 2 and "profiles.smoke.provision missing" in res.stderr

@@ -133,12 +133,33 @@ def test_a_hello_after_close_is_told_done():
     """A producer's reconnect accepted just as the stream ends: close() tells the peers it has,
     so the late hello must hear `done` itself, or the producer waits out reconnect_for."""
     coordinator = Coordinator([0], max_in_flight=1)
-    readers = {t for t in threading.enumerate() if t.name == PEER_THREAD}
-    late = FakeProducer(coordinator.address, "late", hello=False)
-    wait_until(lambda: any(t.name == PEER_THREAD for t in set(threading.enumerate()) - readers))
-    coordinator.close()
-    late.send(late.hello)
-    assert late.messages() == [{"type": "done"}]
+    try:
+        readers = {t for t in threading.enumerate() if t.name == PEER_THREAD}
+        late = FakeProducer(coordinator.address, "late", hello=False)
+        wait_until(
+            lambda: any(t.name == PEER_THREAD and t not in readers for t in threading.enumerate())
+        )
+        coordinator.close()
+        late.send(late.hello)
+        assert late.messages() == [{"type": "done"}]
+    finally:
+        coordinator.close()
+
+
+def test_nothing_is_assigned_after_close():
+    coordinator = Coordinator([0, 1, 2], max_in_flight=1)
+    try:
+        producer = FakeProducer(coordinator.address)
+        assert assigned(producer.messages()) == [0]
+        producer.send({"type": "ready", "manifest": manifest(0)})
+        [(_, name)] = coordinator.take_ready(timeout=5, limit=1)
+        coordinator.close()
+        coordinator.fetched(0, name)
+        coordinator.delivered(0)  # frees a credit: before close() it would assign sample 1
+        msgs = producer.messages()
+        assert {"type": "done"} in msgs and assigned(msgs) == []
+    finally:
+        coordinator.close()
 
 
 def assigned(msgs):
