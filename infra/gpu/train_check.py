@@ -78,12 +78,13 @@ def params(device: str) -> Params:
     )
 
 
-def synthetic_target() -> SimpleNamespace:
-    """What build_runs reads of a loaded target: config, embeddings, final norm, lm_head."""
+def synthetic_target(config: dict = TARGET) -> SimpleNamespace:
+    """What build_runs reads of a loaded target (random, of `config`'s shape): config,
+    embeddings, final norm, lm_head."""
     torch.manual_seed(1)
-    h, v = TARGET["hidden_size"], TARGET["vocab_size"]
+    h, v = config["hidden_size"], config["vocab_size"]
     return SimpleNamespace(
-        model=SimpleNamespace(config=SimpleNamespace(to_dict=lambda: dict(TARGET))),
+        model=SimpleNamespace(config=SimpleNamespace(to_dict=lambda: dict(config))),
         embed=nn.Embedding(v, h),
         norm=RMSNorm(h, 1e-5),
         lm_head=nn.Linear(h, v, bias=False),

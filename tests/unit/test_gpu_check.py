@@ -200,3 +200,30 @@ def test_train_check_runs_on_the_cpu(tmp_path):
     assert report["checks"]["device"]["figure"] == 0.0  # the CPU against itself
     assert report["checks"]["resume"]["figure"] == 0.0  # bit-exact on the CPU
     assert report["checks"]["ranks"]["figure"] < 1e-4  # float rounding, not a lost gradient
+
+
+@pytest.mark.slow
+def test_train_bench_runs_on_the_cpu(tmp_path):
+    """The throughput bench at SmolLM2's shapes, cut to two timed steps: every draft is timed on
+    the same batches, and the warm-up steps are left out of the count."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "infra/gpu/train_bench.py"), "--device", "cpu",
+         "--batch-sizes", "2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads((tmp_path / "train_bench.json").read_text())["by_batch"]["2"]
+    assert set(rows) == {"dspark", "dflash", "eagle3"}
+    assert {(v["steps"], v["tokens"]) for v in rows.values()} == {(2, rows["dspark"]["tokens"])}
+    assert 2 * 2 * 150 <= rows["dspark"]["tokens"] <= 2 * 2 * 440  # two batches of two samples
+    assert all(v["tokens_per_s"] > 0 for v in rows.values())
+
+
+def test_train_bench_names_a_bad_batch_list(tmp_path):
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "infra/gpu/train_bench.py"), "--device", "cpu",
+         "--batch-sizes", "8,x", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--batch-sizes" in r.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "train_bench.json").exists()
