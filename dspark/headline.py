@@ -10,6 +10,7 @@ opening their children. Pure: files in, two dicts out (the tracking code logs th
     speedup_c1.<mode>             bench.json  single-stream tok/s over the plain target's (`none`)
     tau_sim.<draft>               train.json  held-out acceptance length each trained draft reaches
     total_wall_s                  run.json    every stage's wall time, summed
+    total_cpu_s                   run.json    every stage's CPU time (its children's too), summed
 
     tags: profile and git_commit (run.json, else the first file holding them); cached_stages.
 
@@ -57,6 +58,7 @@ def headline(docs: dict[str, dict]) -> tuple[dict[str, float], dict[str, str]]:
         if isinstance(block, dict) and "tau_sim" in block:
             _put(metrics, f"tau_sim.{draft}", block["tau_sim"])
     _put(metrics, "total_wall_s", run.get("total_wall_s"))
+    _put(metrics, "total_cpu_s", run.get("total_cpu_s"))
 
     tags: dict[str, str] = {}
     for key in ("profile", "git_commit"):
@@ -94,7 +96,9 @@ def summary(docs: dict[str, dict], mlflow: str, profile: str, folder: str = "met
             for name, s in stages.items()
             if isinstance(s, dict) and isinstance(s.get("wall_s"), int | float)
         )
-        lines.append(f"  stages: {run.get('total_wall_s', 0):.0f} s in all: {parts}")
+        cpu = run.get("total_cpu_s")
+        on_cores = f" ({cpu:,.0f} CPU-seconds)" if isinstance(cpu, int | float) else ""
+        lines.append(f"  stages: {run.get('total_wall_s', 0):.0f} s in all{on_cores}: {parts}")
     mean, ci = ev.get("mean") or {}, ev.get("mean_ci95") or {}
     if mean:
         taus = ", ".join(

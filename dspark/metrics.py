@@ -8,6 +8,7 @@ beside the stage's outputs so the edge can follow it live without the library kn
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import time
 from datetime import UTC, datetime
@@ -37,6 +38,16 @@ def git_commit(repo: Path | str = ".") -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return f"{sha}-dirty" if dirty else sha
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system, every thread) of this process and of every child it has waited
+    for: what a stage spent on the cores, its producers, servers and ranks included."""
+    own, waited = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
 
 
 def stamp(profile: str, payload: dict[str, Any], repo: Path | str = ".") -> dict[str, Any]:

@@ -19,7 +19,7 @@ from dspark.codedeps import closure, imports_of_function
 from dspark.config import MARKOV_ABLATION, Params, read_yaml
 from dspark.errors import ConfigError
 from dspark.io import write_json
-from dspark.metrics import stamp, write_metrics
+from dspark.metrics import cpu_seconds, stamp, write_metrics
 
 TARGET_DIR = "artifacts/target"
 PLAN = "artifacts/plan.json"
@@ -402,9 +402,10 @@ def run_stage(stage: Stage, ctx: StageContext) -> dict:
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK", "0") != "0":
         return stage.run(ctx)  # a launcher's rank other than 0: rank 0 writes the files
     write_json(ctx.path(stage.resolved), provenance(ctx.params, ctx.root))
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     result = stage.run(ctx)
     result["wall_s"] = round(time.perf_counter() - t0, 2)
+    result["cpu_s"] = round(cpu_seconds() - cpu0, 2)
     return write_metrics(ctx.path(stage.metrics), ctx.params.profile, result)
 
 
@@ -437,11 +438,19 @@ def write_run_summary(root: Path, profile: str, cached: dict[str, bool] | None =
         doc = json.loads(path.read_text())
         if doc.get("profile") != profile:
             continue
-        stages[stage.name] = {"wall_s": doc.get("wall_s"), "created_at": doc.get("created_at")}
+        stages[stage.name] = {
+            "wall_s": doc.get("wall_s"),
+            "cpu_s": doc.get("cpu_s"),  # absent from files written before it was recorded
+            "created_at": doc.get("created_at"),
+        }
         if cached is not None:
             stages[stage.name]["cached"] = bool(cached.get(stage.name))
     total = round(sum(s["wall_s"] or 0 for s in stages.values()), 2)
-    return write_metrics(root / RUN_SUMMARY, profile, {"stages": stages, "total_wall_s": total})
+    cpu = [s["cpu_s"] for s in stages.values() if isinstance(s["cpu_s"], int | float)]
+    summary = {"stages": stages, "total_wall_s": total}
+    # Only when every stage recorded its CPU time: a partial sum would read as the run's.
+    summary["total_cpu_s"] = round(sum(cpu), 2) if cpu and len(cpu) == len(stages) else None
+    return write_metrics(root / RUN_SUMMARY, profile, summary)
 
 
 def dvc_yaml() -> str:

@@ -119,6 +119,7 @@ def standing(root: Path, profile: str) -> dict:
             out[stage.name] = {
                 "state": "finished",
                 "wall_s": done.get("wall_s"),
+                **({"cpu_s": done["cpu_s"]} if "cpu_s" in done else {}),
                 "git_commit": done.get("git_commit"),
                 **_figures(stage.name, done),
             }

@@ -160,6 +160,7 @@ def test_deployment_runs_the_chain_and_everything_agrees(repo, served):
     assert shown.returncode == 0 and "num_samples" in shown.stdout
     summary = json.loads((repo / "metrics" / "run.json").read_text())
     assert summary["profile"] == "smoke" and set(summary["stages"]) == {s.name for s in STAGES}
+    assert summary["total_cpu_s"] > 0  # every stage ran here, so every one recorded its CPU
 
     client, all_runs = runs(repo)
     parents = [r for r in all_runs if "mlflow.parentRunId" not in r.data.tags]

@@ -90,3 +90,15 @@ def test_a_summary_without_metrics_still_says_where_to_look():
     text = summary({}, "http://127.0.0.1:5000", "smoke")
     assert text.splitlines()[0] == "dspark smoke run"
     assert "tau" not in text and "MLflow: http://127.0.0.1:5000" in text
+
+
+def test_cpu_time_is_a_headline_when_the_run_recorded_it():
+    docs = read_docs(ROOT / "metrics")
+    docs["run"] = {**docs["run"], "total_cpu_s": 1834.5}
+    assert headline(docs)[0]["total_cpu_s"] == 1834.5
+    assert f"{docs['run']['total_wall_s']:.0f} s in all (1,834 CPU-seconds):" in summary(
+        docs, "http://127.0.0.1:5000", "default"
+    )
+    docs["run"]["total_cpu_s"] = None  # a stage's file from before cpu_s: no total, no claim
+    assert "total_cpu_s" not in headline(docs)[0]
+    assert "CPU-seconds" not in summary(docs, "http://127.0.0.1:5000", "default")

@@ -1,6 +1,12 @@
 import json
 import subprocess
+import sys
+import time
+from dataclasses import replace
 
+from dspark import stages
+from dspark.codedeps import ROOT
+from dspark.config import load_params
 from dspark.metrics import EventLog, git_commit, read_events, write_metrics
 
 
@@ -40,3 +46,39 @@ def test_metrics_convention_and_event_log(tmp_path):
     log.log(1, loss=1.0)
     more, _ = read_events(tmp_path / "e.jsonl", offset)
     assert [e["metrics"]["loss"] for e in events + more] == [1.5, 1.0]
+
+
+def burn(seconds: float) -> None:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+
+
+def test_a_stage_records_its_cpu_time_and_its_childrens(tmp_path):
+    """run_stage's cpu_s counts the stage's own CPU and that of the processes it waited for
+    (producers, servers, ranks), which its wall time cannot tell apart from waiting."""
+    child = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass"
+
+    def work(ctx):
+        burn(0.2)
+        subprocess.run([sys.executable, "-c", child], check=True)
+        time.sleep(0.3)  # waiting: wall time, not CPU time
+        return {}
+
+    stage = replace(stages.get("export"), run=work)
+    params = load_params(ROOT / "params.yaml", profile="smoke")
+    doc = stages.run_stage(stage, stages.StageContext(params=params, root=tmp_path))
+    assert 0.6 <= doc["cpu_s"] < doc["wall_s"] + 0.4  # the child's 0.4 s ran while we waited
+    assert json.loads((tmp_path / stage.metrics).read_text())["cpu_s"] == doc["cpu_s"]
+
+
+def test_the_run_summary_totals_cpu_only_when_every_stage_has_it(tmp_path):
+    (tmp_path / "metrics").mkdir()
+    for name, cpu in (("provision", 10.0), ("train", 300.5)):
+        doc = {"profile": "full", "wall_s": 100.0, "cpu_s": cpu}
+        (tmp_path / stages.get(name).metrics).write_text(json.dumps(doc))
+    run = stages.write_run_summary(tmp_path, "full")
+    assert run["total_cpu_s"] == 310.5 and run["stages"]["train"]["cpu_s"] == 300.5
+    (tmp_path / stages.get("export").metrics).write_text('{"profile": "full", "wall_s": 1.0}')
+    run = stages.write_run_summary(tmp_path, "full")  # a file from before cpu_s was recorded
+    assert run["total_cpu_s"] is None and run["total_wall_s"] == 201.0

@@ -16,7 +16,7 @@ def checkout(root):
     """A long run stopped in extract: provision and prepare done, shards 2 of 3 on disk, an
     older extract's metrics and another profile's evaluation metrics left over."""
     put(root / "metrics/provision.json", {"profile": "full", "wall_s": 30.0, "git_commit": "c"})
-    put(root / "metrics/prepare.json", {"profile": "full", "wall_s": 20.0})
+    put(root / "metrics/prepare.json", {"profile": "full", "wall_s": 20.0, "cpu_s": 31.5})
     put(root / "artifacts/shards/manifest.json", {"num_samples": 3})
     samples = [
         {"sample_id": i, "tokens": 10, "response_tokens": 6, "shard": "hidden-00000.safetensors"}
@@ -32,6 +32,7 @@ def test_a_run_stopped_in_extract(tmp_path):
     checkout(tmp_path)
     got = standing(tmp_path, "full")
     assert got["provision"] == {"state": "finished", "wall_s": 30.0, "git_commit": "c"}
+    assert got["prepare"]["cpu_s"] == 31.5  # shown where the stage recorded it
     assert got["extract"] == {
         "state": "part-way",
         "samples": 2,
