@@ -29,12 +29,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 
-from train_check import synthetic_target  # noqa: E402
+from train_check import synthetic_samples, synthetic_target  # noqa: E402
 
 from dspark.config import load_params  # noqa: E402
 from dspark.metrics import write_metrics  # noqa: E402
 from dspark.models.vocab import build_draft_ids, count_tokens  # noqa: E402
-from dspark.schema import Sample  # noqa: E402
 from dspark.train.batch import TargetHead  # noqa: E402
 from dspark.train.sources import Source  # noqa: E402
 from dspark.train.stage import build_runs  # noqa: E402
@@ -55,18 +54,11 @@ AUX_LAYERS = [1, 15, 27]  # three, as the full profile extracts; which ones does
 MEAN_LEN, PROMPT_SHARE = 295, 0.3  # the full profile's 1,474,869 tokens over 5,000 samples
 
 
-def synthetic_samples(n: int, hidden: int, vocab: int, seed: int = 0) -> list[Sample]:
-    """n samples of 150-440 tokens (mean 295): random ids, aux and last hidden states."""
+def full_profile_shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:
+    """n (length, prompt length) pairs of 150-440 tokens (mean 295), the first 30% prompt."""
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        s = int(torch.randint(MEAN_LEN - 145, MEAN_LEN + 146, (1,), generator=gen))
-        mask = torch.zeros(s, dtype=torch.bool)
-        mask[int(s * PROMPT_SHARE) :] = True
-        ids = torch.randint(10, vocab, (s,), generator=gen, dtype=torch.int32)
-        aux = torch.randn(len(AUX_LAYERS), s, hidden, generator=gen)
-        out.append(Sample(i, ids, mask, aux, torch.randn(s, hidden, generator=gen)))
-    return out
+    lengths = torch.randint(MEAN_LEN - 145, MEAN_LEN + 146, (n,), generator=gen).tolist()
+    return [(s, int(s * PROMPT_SHARE)) for s in lengths]
 
 
 def bench(device: str, profile: str, batch: int, steps: int, warmup: int) -> dict:
@@ -87,7 +79,12 @@ def bench(device: str, profile: str, batch: int, steps: int, warmup: int) -> dic
     )
     shape = SMOLLM2_135M
     target = synthetic_target(shape)
-    samples = synthetic_samples(1 + batch * total, shape["hidden_size"], shape["vocab_size"])
+    samples = synthetic_samples(
+        full_profile_shapes(1 + batch * total),
+        len(AUX_LAYERS),
+        shape["hidden_size"],
+        shape["vocab_size"],
+    )
     draft_ids = build_draft_ids(
         count_tokens(samples[1:], shape["vocab_size"]), p.train.draft_vocab_size
     )

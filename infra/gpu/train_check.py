@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from contextlib import nullcontext, suppress
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,17 +93,19 @@ def synthetic_target(config: dict = TARGET) -> SimpleNamespace:
     )
 
 
-def synthetic_samples(aux_layers: int) -> list[Sample]:
-    gen = torch.Generator().manual_seed(0)
-    h = TARGET["hidden_size"]
+def synthetic_samples(
+    shapes: Sequence[tuple[int, int]], aux_layers: int, hidden: int, vocab: int, seed: int = 0
+) -> list[Sample]:
+    """One sample per (length, prompt length): random ids, aux and last hidden states, with the
+    tokens after the prompt in the loss."""
+    gen = torch.Generator().manual_seed(seed)
     out = []
-    for i in range(NUM):
-        s = 20 + 4 * i
+    for i, (s, prompt) in enumerate(shapes):
         mask = torch.zeros(s, dtype=torch.bool)
-        mask[6:] = True
-        ids = torch.randint(10, TARGET["vocab_size"], (s,), generator=gen, dtype=torch.int32)
-        aux = torch.randn(aux_layers, s, h, generator=gen)
-        out.append(Sample(i, ids, mask, aux, torch.randn(s, h, generator=gen)))
+        mask[prompt:] = True
+        ids = torch.randint(10, vocab, (s,), generator=gen, dtype=torch.int32)
+        aux = torch.randn(aux_layers, s, hidden, generator=gen)
+        out.append(Sample(i, ids, mask, aux, torch.randn(s, hidden, generator=gen)))
     return out
 
 
@@ -114,7 +117,8 @@ def train(
     p = params(device)
     target = synthetic_target()
     aux = [1, 2, 3]
-    samples = synthetic_samples(len(aux))
+    shapes = [(20 + 4 * i, 6) for i in range(NUM)]
+    samples = synthetic_samples(shapes, len(aux), TARGET["hidden_size"], TARGET["vocab_size"])
     draft_ids = build_draft_ids(count_tokens(samples[EVAL:], TARGET["vocab_size"]), 256)
     where = ranks.device if ranks else torch.device(device)
     trainer = Trainer(
