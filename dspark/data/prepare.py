@@ -1,8 +1,9 @@
 """The prepare stage: evaluation prompt set, then on-policy training shards.
 
 1. Build the evaluation prompts of every category and write them (the evaluate stage reads them).
-2. Walk the training sources, drop any prompt whose content hash is an evaluation prompt's, apply
-   the chat template, and skip prompts longer than `prepare.max_prompt_tokens`.
+2. Walk the training sources (after the validation split's, if `data.val_sources` names any),
+   drop any prompt whose content hash is an evaluation or validation prompt's, apply the chat
+   template, and skip prompts longer than `prepare.max_prompt_tokens`.
 3. Shard by shard: the target regenerates `regenerate_fraction` of the answers (batched, with
    the `prepare.engine` of `engines.py`), the rest keep the dataset's answer; the loss mask
    covers the response tokens only.
@@ -16,7 +17,7 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 
 import torch
@@ -82,13 +83,18 @@ class _Candidate:
 
 
 def _candidates(
-    params: Params, target: Target, banned: set[str], stats: dict
+    params: Params,
+    target: Target,
+    prompts: Iterator[Prompt],
+    banned: dict[str, str],
+    stats: dict,
 ) -> Iterator[_Candidate]:
+    """Usable prompts; `banned` maps a content hash to the stat that counts its skips."""
     seen: set[str] = set()
-    for prompt in iter_training_prompts(params.data.train_sources, params.data.seed):
+    for prompt in prompts:
         h = prompt.content_hash
         if h in banned:
-            stats["skipped_eval_overlap"] += 1
+            stats[banned[h]] += 1
             continue
         if h in seen:
             stats["skipped_duplicate"] += 1
@@ -99,6 +105,24 @@ def _candidates(
             stats["skipped_too_long"] += 1
             continue
         yield _Candidate(prompt, ids)
+
+
+def _validation_split(
+    params: Params, target: Target, banned: dict[str, str], stats: dict
+) -> list[_Candidate]:
+    """With `data.val_sources`, the first `train.eval_samples` samples are drawn from them (the
+    train stage holds out the lowest ids), so runs that train on different sources are judged
+    on the same prompts; none of them is trained on. Without it, the empty list."""
+    data, count = params.data, params.train.eval_samples
+    if not data.val_sources or not count:
+        return []
+    prompts = iter_training_prompts(data.val_sources, data.seed)
+    held_out = list(islice(_candidates(params, target, prompts, banned, stats), count))
+    if len(held_out) < count:
+        raise DataError(
+            f"data.val_sources: {len(held_out)} usable prompts for train.eval_samples {count}"
+        )
+    return held_out
 
 
 def _responses(
@@ -146,10 +170,15 @@ def prepare(
     ensure_writable_dir(paths.shards)
     eval_prompts = build_eval_set(params, target, eval_file)
     write_prompt_file(paths.eval_prompts, eval_prompts)
-    banned = {p.content_hash for p in eval_prompts}
+    banned = dict.fromkeys((p.content_hash for p in eval_prompts), "skipped_eval_overlap")
 
-    stats = dict.fromkeys(("skipped_eval_overlap", "skipped_duplicate", "skipped_too_long"), 0)
-    candidates = _candidates(params, target, banned, stats)
+    keys = ("skipped_eval_overlap", "skipped_validation", "skipped_duplicate", "skipped_too_long")
+    stats = dict.fromkeys(keys, 0)
+    held_out = _validation_split(params, target, banned, stats)
+    banned.update(dict.fromkeys((c.prompt.content_hash for c in held_out), "skipped_validation"))
+    data = params.data
+    train_prompts = iter_training_prompts(data.train_sources, data.seed, data.train_weights)
+    candidates = chain(held_out, _candidates(params, target, train_prompts, banned, stats))
     if cfg.num_samples and cfg.token_budget is None:
         # Count before generating: a shortfall found after hours of answers would waste them.
         wanted = list(islice(candidates, cfg.num_samples))
@@ -223,6 +252,8 @@ def prepare(
             "target": read_manifest(paths.target).get("source"),
             "eval_prompts": len(eval_prompts),
             "chat_template": "target",
+            # The train stage checks it holds out exactly these (train.eval_samples).
+            "validation_samples": len(held_out) if held_out else None,
         },
     )
     if paths.lengths_plot:
@@ -255,6 +286,7 @@ def _fingerprint(params: Params, target_dir: Path) -> str:
     basis = {
         "prepare": params.prepare.model_dump(),
         "data": params.data.model_dump(),
+        "validation_samples": params.train.eval_samples if params.data.val_sources else None,
         "target": read_manifest(target_dir),
     }
     return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]

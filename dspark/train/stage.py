@@ -245,6 +245,12 @@ def train_rank(
     set_threads(t.threads or (max(1, (os.cpu_count() or 1) // ranks.world) if ranks else None))
     target = load_target_for(params.target, paths.target)
     tokens_doc = read_token_manifest(paths.shards)
+    drawn = tokens_doc.get("validation_samples")
+    if drawn is not None and drawn != t.eval_samples:
+        raise DataError(
+            f"train.eval_samples: {t.eval_samples}, but prepare drew {drawn} validation samples "
+            "from data.val_sources (rerun prepare)"
+        )
     train_ids, eval_ids = split_eval(list(range(tokens_doc["num_samples"])), t.eval_samples)
     held = set(eval_ids)
     counts = count_tokens(

@@ -158,3 +158,43 @@ def test_too_few_prompts_for_num_samples_fails_before_generating(
     with pytest.raises(DataError, match=message):
         prepare(params, tiny_target, paths, progress=False)
     assert not list(paths.shards.glob("*.safetensors"))
+
+
+def test_validation_split_comes_first_and_is_never_trained_on(
+    tiny_target, tiny_target_dir, tmp_path, train_file
+):
+    """data.val_sources: the first train.eval_samples samples are its prompts (the train stage
+    holds out the lowest ids), and a training prompt equal to one of them is skipped."""
+    rows = [{"category": "train", "prompt": f"Tell me about {w}."} for w in ("owls", "glass")]
+    val_file = tmp_path / "val.jsonl"
+    val_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    metrics, paths = run(
+        tiny_target,
+        tiny_target_dir,
+        tmp_path,
+        train_file,
+        f"data.val_sources=[{val_file}]",
+        "train.eval_samples=2",
+    )
+    samples = list(shards.iter_samples(paths.shards))
+    prompts = [tiny_target.tokenizer.decode(s.input_ids[~s.loss_mask].tolist()) for s in samples]
+    assert "owls" in prompts[0] and "glass" in prompts[1]
+    assert not any("owls" in p for p in prompts[2:])  # the training file's owls: held out
+    assert metrics["skipped_validation"] == 1 and metrics["num_samples"] == 6
+    assert shards.read_manifest(paths.shards)["validation_samples"] == 2
+
+
+def test_too_few_validation_prompts_is_a_clear_error(
+    tiny_target, tiny_target_dir, tmp_path, train_file
+):
+    val_file = tmp_path / "val.jsonl"
+    val_file.write_text(json.dumps({"category": "train", "prompt": "Name a river."}) + "\n")
+    with pytest.raises(DataError, match=r"data.val_sources: 1 usable prompts for train.eval_s"):
+        run(
+            tiny_target,
+            tiny_target_dir,
+            tmp_path,
+            train_file,
+            f"data.val_sources=[{val_file}]",
+            "train.eval_samples=2",
+        )
