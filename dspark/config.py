@@ -9,6 +9,7 @@ here. Precedence: CLI overrides > the profile overlay > the base sections > thes
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any, Literal, get_args
@@ -740,6 +741,8 @@ def _first_error(err: ValidationError, where: str, overlay: dict | None, profile
     msg = e["msg"]
     if e["type"] == "value_error" and not loc:  # a check across sections names its own keys
         return f"{where}: {msg.removeprefix('Value error, ')}"
+    if e["type"] == "value_error" and re.match(r"Value error, [a-z_]+: ", msg):
+        return f"{where}: {key}.{msg.removeprefix('Value error, ')}"  # a section's own field
     if e["type"] == "extra_forbidden":
         msg = "unknown key"
     elif "input" in e and not isinstance(e["input"], dict | list):

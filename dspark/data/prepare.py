@@ -27,7 +27,7 @@ from dspark.data import shards as shard_io
 from dspark.data.engines import EngineSetup, GenerateFn, open_engine
 from dspark.data.eval_sources import build_eval_prompts
 from dspark.data.prompts import Prompt, read_prompt_file, write_prompt_file
-from dspark.data.train_sources import iter_training_prompts
+from dspark.data.train_sources import interleave, source_streams
 from dspark.errors import DataError
 from dspark.io import ensure_writable_dir, write_text
 from dspark.metrics import EventLog
@@ -88,9 +88,9 @@ def _candidates(
     prompts: Iterator[Prompt],
     banned: dict[str, str],
     stats: dict,
+    seen: set[str],
 ) -> Iterator[_Candidate]:
     """Usable prompts; `banned` maps a content hash to the stat that counts its skips."""
-    seen: set[str] = set()
     for prompt in prompts:
         h = prompt.content_hash
         if h in banned:
@@ -107,6 +107,23 @@ def _candidates(
         yield _Candidate(prompt, ids)
 
 
+def _mixed_candidates(
+    params: Params,
+    target: Target,
+    sources: list[str],
+    weights: list[float] | None,
+    field: str,
+    banned: dict[str, str],
+    stats: dict,
+) -> Iterator[_Candidate]:
+    """Each source's usable prompts, interleaved by weight: the weights are shares of what is
+    kept, whatever each source loses to the length cap or the eval set."""
+    seen: set[str] = set()
+    streams = source_streams(sources, params.data.seed, field)
+    usable = [_candidates(params, target, s, banned, stats, seen) for s in streams]
+    return interleave(usable, weights or [1.0] * len(usable))
+
+
 def _validation_split(
     params: Params, target: Target, banned: dict[str, str], stats: dict
 ) -> list[_Candidate]:
@@ -116,8 +133,10 @@ def _validation_split(
     data, count = params.data, params.train.eval_samples
     if not data.val_sources or not count:
         return []
-    prompts = iter_training_prompts(data.val_sources, data.seed)
-    held_out = list(islice(_candidates(params, target, prompts, banned, stats), count))
+    usable = _mixed_candidates(
+        params, target, data.val_sources, None, "data.val_sources", banned, stats
+    )
+    held_out = list(islice(usable, count))
     if len(held_out) < count:
         raise DataError(
             f"data.val_sources: {len(held_out)} usable prompts for train.eval_samples {count}"
@@ -177,8 +196,10 @@ def prepare(
     held_out = _validation_split(params, target, banned, stats)
     banned.update(dict.fromkeys((c.prompt.content_hash for c in held_out), "skipped_validation"))
     data = params.data
-    train_prompts = iter_training_prompts(data.train_sources, data.seed, data.train_weights)
-    candidates = chain(held_out, _candidates(params, target, train_prompts, banned, stats))
+    to_train = _mixed_candidates(
+        params, target, data.train_sources, data.train_weights, "data.train_sources", banned, stats
+    )
+    candidates = chain(held_out, to_train)
     if cfg.num_samples and cfg.token_budget is None:
         # Count before generating: a shortfall found after hours of answers would waste them.
         wanted = list(islice(candidates, cfg.num_samples))

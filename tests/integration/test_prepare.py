@@ -198,3 +198,31 @@ def test_too_few_validation_prompts_is_a_clear_error(
             f"data.val_sources=[{val_file}]",
             "train.eval_samples=2",
         )
+
+
+def test_weights_are_shares_of_the_usable_prompts(tiny_target, tiny_target_dir, tmp_path):
+    """A source that loses prompts to the length cap still gets its share of the samples."""
+    long_text = "word " * 400  # over the smoke profile's max_prompt_tokens (256)
+    a_rows = []
+    for i in range(6):
+        a_rows += [{"category": "train", "prompt": f"{long_text}{i}"}]
+        a_rows += [{"category": "train", "prompt": f"Alpha topic {i}."}]
+    b_rows = [{"category": "train", "prompt": f"Beta topic {i}."} for i in range(6)]
+    files = []
+    for name, rows in (("a", a_rows), ("b", b_rows)):
+        files.append(tmp_path / f"{name}.jsonl")
+        files[-1].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    metrics, paths = run(
+        tiny_target,
+        tiny_target_dir,
+        tmp_path,
+        files[0],
+        f"data.train_sources=[{files[0]},{files[1]}]",
+        "data.train_weights=[1,2]",
+    )
+    prompts = [
+        tiny_target.tokenizer.decode(s.input_ids[~s.loss_mask].tolist())
+        for s in shards.iter_samples(paths.shards)
+    ]
+    assert ["Alpha" in p for p in prompts] == [False, True, False, False, True, False]
+    assert metrics["skipped_too_long"] == 2

@@ -67,6 +67,11 @@ def test_bad_values_name_the_dotted_key(tmp_path, edit, message):
         load_params(path)
 
 
+def test_a_section_check_names_its_field():
+    with pytest.raises(ConfigError, match=r"^--set: data\.train_weights: 2 weights for 1 train_s"):
+        load_params(ROOT / "params.yaml", overrides=["data.train_weights=[1,2]"])
+
+
 def test_answering_in_extract_needs_shards_and_greedy():
     """prepare.engine extract: the stream answers once, so training must read shards; a check
     across sections names its keys without pydantic's location."""

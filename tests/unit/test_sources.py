@@ -1,9 +1,10 @@
 import json
+from itertools import islice
 
 import pytest
 
 from dspark.config import CATEGORIES, Params
-from dspark.data import eval_sources
+from dspark.data import eval_sources, train_sources
 from dspark.data.prompts import content_hash
 from dspark.data.train_sources import iter_json_array, iter_sharegpt, iter_training_prompts
 from dspark.errors import DataError
@@ -106,3 +107,81 @@ def test_the_378k_gpu_case_has_enough_distinct_text(tiny_target):
     docs = prompt.messages[-1]["content"].split("\n\n---\n\n")
     assert len(docs) == len(set(docs))
     assert 0.9 * 378_000 <= count(prompt.messages[-1]["content"]) <= 378_000
+
+
+def test_interleave_keeps_each_streams_share_and_drops_an_exhausted_one():
+    def stream(name, n):
+        return (name + str(i) for i in range(n))
+
+    out = list(train_sources.interleave([stream("a", 100), stream("b", 100)], [3.0, 1.0]))
+    assert out[:8] == ["a0", "a1", "b0", "a2", "a3", "a4", "b1", "a5"]  # a, a, b, a, ...
+    assert sum(x[0] == "a" for x in out[:40]) == 30
+    # b outlives a: after a's 100, the rest is b's, each stream in its own order.
+    assert [x for x in out if x[0] == "a"] == [f"a{i}" for i in range(100)]
+    assert [x for x in out if x[0] == "b"] == [f"b{i}" for i in range(100)]
+    short = list(train_sources.interleave([stream("a", 2), stream("b", 10)], [1.0, 1.0]))
+    assert len(short) == 12 and short[-8:] == [f"b{i}" for i in range(2, 10)]
+
+
+def test_code_stubs_stop_at_the_docstring_and_keep_the_whole_function(tmp_path):
+    pkg = tmp_path / "lib" / "mod"
+    (tmp_path / "lib" / "test").mkdir(parents=True)
+    pkg.mkdir()
+    body = "    a = 1\n    b = 2\n    c = a + b\n    return c\n"
+    doc = '    """Add one and two and give the sum back to the caller, always three."""\n'
+    (pkg / "m.py").write_text(
+        f"def add():\n{doc}{body}\n"
+        f"def _private():\n{doc}{body}\n"  # private: skipped
+        "def short():\n    '''Too little to complete: one statement, a long docstring.'''\n"
+        "    return 1\n"
+    )
+    (tmp_path / "lib" / "test" / "t.py").write_text(f"def add():\n{doc}{body}")  # tests: skipped
+    stubs = train_sources.function_stubs(tmp_path / "lib")
+    assert [s[0] for s in stubs] == ["mod.m.add.1"]
+    _, stub, whole = stubs[0]
+    assert stub == "def add():\n" + doc.rstrip("\n")
+    assert whole == f"def add():\n{doc}{body}".rstrip("\n")
+    (prompt,) = train_sources.iter_code(0, tmp_path / "lib")
+    assert stub in prompt.text and prompt.reference.endswith("return c\n```")
+
+
+def test_translation_passages_are_plain_prose_of_the_replies(tmp_path):
+    prose = (
+        "The river bends twice before it reaches the town. Fishermen wait there at dawn "
+        "for the tide. Their boats are painted blue and green, as their fathers' were."
+    )
+    records = [
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": f"Sure!\n{prose}\nMore."},
+            ],
+        },
+        {
+            "id": "b",
+            "conversations": [
+                {"from": "human", "value": "code?"},
+                {"from": "gpt", "value": "x = [1, 2] # {} <> " * 10},
+            ],
+        },
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records))
+    (prompt,) = train_sources.iter_translation(0, path)
+    assert prose in prompt.text and prompt.id.startswith("translate-a.1-")
+    assert any(lang in prompt.text for lang in train_sources.TRANSLATE_INTO)
+
+
+def test_a_source_that_is_neither_built_nor_a_file_is_named(tmp_path):
+    with pytest.raises(DataError, match=r"^data.val_sources: 'sharegtp' is neither a built"):
+        iter_training_prompts(["sharegtp"], 0, field="data.val_sources")
+
+
+def test_built_training_sources_never_overlap_the_evaluation_prompts(default_eval):
+    prompts, _ = default_eval
+    eval_hashes = {p.content_hash for p in prompts}
+    for source in ("code", "translation"):
+        drawn = islice(iter_training_prompts([source], 0), 2000)
+        hashes = {p.content_hash for p in drawn}
+        assert len(hashes) > 1500 and eval_hashes.isdisjoint(hashes), source
