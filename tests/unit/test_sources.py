@@ -130,17 +130,17 @@ def test_code_stubs_stop_at_the_docstring_and_keep_the_whole_function(tmp_path):
     body = "    a = 1\n    b = 2\n    c = a + b\n    return c\n"
     doc = '    """Add one and two and give the sum back to the caller, always three."""\n'
     (pkg / "m.py").write_text(
-        f"def add():\n{doc}{body}\n"
+        f"def add_up():\n{doc}{body}\n"
         f"def _private():\n{doc}{body}\n"  # private: skipped
         "def short():\n    '''Too little to complete: one statement, a long docstring.'''\n"
         "    return 1\n"
     )
-    (tmp_path / "lib" / "test" / "t.py").write_text(f"def add():\n{doc}{body}")  # tests: skipped
+    (tmp_path / "lib" / "test" / "t.py").write_text(f"def add_up():\n{doc}{body}")  # tests: skipped
     stubs = train_sources.function_stubs(tmp_path / "lib")
-    assert [s[0] for s in stubs] == ["mod.m.add.1"]
+    assert [s[0] for s in stubs] == ["mod.m.add_up.1"]
     _, stub, whole = stubs[0]
-    assert stub == "def add():\n" + doc.rstrip("\n")
-    assert whole == f"def add():\n{doc}{body}".rstrip("\n")
+    assert stub == "def add_up():\n" + doc.rstrip("\n")
+    assert whole == f"def add_up():\n{doc}{body}".rstrip("\n")
     (prompt,) = train_sources.iter_code(0, tmp_path / "lib")
     assert stub in prompt.text and prompt.reference.endswith("return c\n```")
 
@@ -181,6 +181,8 @@ def test_a_source_that_is_neither_built_nor_a_file_is_named(tmp_path):
 def test_built_training_sources_never_overlap_the_evaluation_prompts(default_eval):
     prompts, _ = default_eval
     eval_hashes = {p.content_hash for p in prompts}
+    names = {p.id.split(".")[-2] for p in iter_training_prompts(["code"], 0)}
+    assert len(names) > 1000 and names.isdisjoint(eval_sources.humaneval_entry_points())
     for source in ("code", "translation"):
         drawn = islice(iter_training_prompts([source], 0), 2000)
         hashes = {p.content_hash for p in drawn}
