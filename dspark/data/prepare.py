@@ -80,6 +80,7 @@ def _regenerates(seed: int, prompt_id: str, fraction: float) -> bool:
 class _Candidate:
     prompt: Prompt
     prompt_ids: list[int]
+    source: str = ""  # its entry in data.train_sources or data.val_sources
 
 
 def _candidates(
@@ -120,8 +121,17 @@ def _mixed_candidates(
     kept, whatever each source loses to the length cap or the eval set."""
     seen: set[str] = set()
     streams = source_streams(sources, params.data.seed, field)
-    usable = [_candidates(params, target, s, banned, stats, seen) for s in streams]
+    usable = [
+        _labelled(_candidates(params, target, stream, banned, stats, seen), name)
+        for stream, name in zip(streams, sources, strict=True)
+    ]
     return interleave(usable, weights or [1.0] * len(usable))
+
+
+def _labelled(candidates: Iterator[_Candidate], source: str) -> Iterator[_Candidate]:
+    for c in candidates:
+        c.source = source
+        yield c
 
 
 def _validation_split(
@@ -275,6 +285,7 @@ def prepare(
             "chat_template": "target",
             # The train stage checks it holds out exactly these (train.eval_samples).
             "validation_samples": len(held_out) if held_out else None,
+            "validation_sources": [c.source for c in held_out] if held_out else None,
         },
     )
     if paths.lengths_plot:

@@ -291,6 +291,9 @@ def train_rank(
         events=EventLog(paths.events) if lead else None,
         progress=progress and lead,
         ranks=ranks,
+        eval_sources=dict(enumerate(tokens_doc["validation_sources"]))
+        if tokens_doc.get("validation_sources")
+        else None,
     )
 
     source = functools.partial(
@@ -358,6 +361,11 @@ def summarize(runs: list[DraftRun], tokens: int) -> dict:
             "params": sum(p.numel() for p in run.params),
             "curve": run.curve,
         }
+        if run.by_source:  # data.val_sources: the held-out tau_sim of each source
+            entry["by_source"] = {
+                name: {"tau_sim": r["tau_sim"], "pos_accept": r["pos_accept"]}
+                for name, r in run.by_source.items()
+            }
         if run.name in MARKOV_ABLATION:
             out.setdefault("markov_ablation", {})[run.name.removeprefix("dspark_")] = entry
         else:

@@ -87,6 +87,7 @@ class DraftRun:
     wall_s: float = 0.0
     curve: list[list[float]] = field(default_factory=list)  # [wall_s, tokens, tau_sim]
     last_eval: dict = field(default_factory=dict)
+    by_source: dict[str, dict] = field(default_factory=dict)  # the last eval, per source
 
     def __post_init__(self) -> None:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -162,8 +163,13 @@ class DraftRun:
             metrics[f"accept_{k}"] = rate
         return metrics
 
-    @torch.no_grad()
     def evaluate(self, batches: list[Batch]) -> dict:
+        """Measure on held-out batches and keep it as the draft's last evaluation."""
+        self.last_eval = self.measure(batches)
+        return self.last_eval
+
+    @torch.no_grad()
+    def measure(self, batches: list[Batch]) -> dict:
         self.model.eval()
         stats = AcceptanceStats(self.slots)
         losses = []
@@ -172,14 +178,13 @@ class DraftRun:
             stats.add(out["accept"], out["mask"])
             losses.append(float(out["loss"]))
         tau = stats.tau
-        self.last_eval = {
+        return {
             # None when no held-out block is supervised in every slot (very short responses)
             "tau_sim": None if math.isnan(tau) else round(tau, 4),
             "pos_accept": stats.pos_accept,
             "loss": round(sum(losses) / max(1, len(losses)), 5),
             "blocks": stats.blocks,
         }
-        return self.last_eval
 
 
 SourceFactory = Callable[[list[int]], AbstractContextManager[Source]]
@@ -202,6 +207,9 @@ class Trainer:
     resumed_from: int | None = None
     ranks: Ranks | None = None  # data-parallel ranks sharing each batch; None: this process only
     stop: StopRequest | None = None  # once set, the loop checkpoints and raises Stopped
+    # Held-out sample id -> its source (data.val_sources): the last evaluation is also
+    # measured per source, each source's samples batched on their own.
+    eval_sources: dict[int, str] | None = None
 
     @property
     def leader(self) -> bool:
@@ -228,6 +236,7 @@ class Trainer:
             for run in self.runs:
                 run.data_parallel(self.ranks)
         eval_batches: list[Batch] | None = None
+        by_source: dict[str, list[Batch]] = {}
         bar = progress_bar(
             total=total, initial=self.step, desc="train", unit="step", enabled=self.progress
         )
@@ -241,16 +250,18 @@ class Trainer:
                 need = sorted(set(need) | set(eval_ids))
             with open_source(need) as source:
                 if eval_batches is None:
-                    eval_batches = self._eval_batches(source.take(eval_ids)) if self.leader else []
+                    held = source.take(eval_ids) if self.leader else []
+                    eval_batches = self._eval_batches(held)
+                    by_source = self._batches_by_source(held)
                     if self.step == 0:
-                        self._evaluate(eval_batches)
+                        self._evaluate(eval_batches, {})
                 for b in range(first, len(plan)):
                     self._train_step(source.take(self.share(plan[b])), total)
                     if self.stop:  # whoever reads our output may be gone: a write could fail
                         bar.disable = True
                     bar.update(1)
                     if self.step % eval_every == 0 or self.step == total:
-                        self._evaluate(eval_batches)
+                        self._evaluate(eval_batches, by_source if self.step == total else {})
                     stopping = self.step < total and self._stop_agreed()
                     if stopping or self.step % c.checkpoint_every == 0 or self.step == total:
                         self._account(source)
@@ -298,6 +309,14 @@ class Trainer:
         size = self.cfg.batch_size
         return [collate(samples[i : i + size], self.head) for i in range(0, len(samples), size)]
 
+    def _batches_by_source(self, samples: list[Sample]) -> dict[str, list[Batch]]:
+        if not self.eval_sources:
+            return {}
+        groups: dict[str, list[Sample]] = {}
+        for s in samples:
+            groups.setdefault(self.eval_sources[s.sample_id], []).append(s)
+        return {name: self._eval_batches(group) for name, group in sorted(groups.items())}
+
     def _train_step(self, samples: list[Sample], total: int) -> None:
         t0 = time.perf_counter()
         # A rank with no share of a short last batch still takes part in the step's
@@ -343,13 +362,16 @@ class Trainer:
             -1, torch.zeros(2, dtype=torch.int32), mask, torch.zeros(n, 2, h), torch.zeros(2, h)
         )
 
-    def _evaluate(self, batches: list[Batch]) -> None:
+    def _evaluate(self, batches: list[Batch], by_source: dict[str, list[Batch]]) -> None:
         if not self.leader:
             return
         t0 = time.perf_counter()
         logged = {}
         for run in self.runs:
             result = run.evaluate(batches)
+            for name, group in by_source.items():
+                run.by_source[name] = run.measure(group)
+                logged[f"{run.name}/eval_tau_sim/{name}"] = run.by_source[name]["tau_sim"]
             run.curve.append([round(run.wall_s, 3), self.tokens, result["tau_sim"]])
             logged[f"{run.name}/eval_tau_sim"] = result["tau_sim"]
             logged[f"{run.name}/eval_loss"] = result["loss"]

@@ -181,7 +181,9 @@ def test_validation_split_comes_first_and_is_never_trained_on(
     assert "owls" in prompts[0] and "glass" in prompts[1]
     assert not any("owls" in p for p in prompts[2:])  # the training file's owls: held out
     assert metrics["skipped_validation"] == 1 and metrics["num_samples"] == 6
-    assert shards.read_manifest(paths.shards)["validation_samples"] == 2
+    manifest = shards.read_manifest(paths.shards)
+    assert manifest["validation_samples"] == 2
+    assert manifest["validation_sources"] == [str(val_file)] * 2  # the train stage's groups
 
 
 def test_too_few_validation_prompts_is_a_clear_error(

@@ -23,7 +23,7 @@ from dspark.train.checkpoint import read_state, save_draft
 from dspark.train.losses import LossWeights
 from dspark.train.objectives import DSparkObjective
 from dspark.train.sources import Source
-from dspark.train.stage import build_runs
+from dspark.train.stage import build_runs, summarize
 from dspark.train.trainer import DraftRun, Trainer
 
 from ..unit.test_drafts import SHAPE
@@ -486,3 +486,30 @@ def test_the_context_scale_is_the_first_batchs_rms_and_export_folds_it(
     assert "aux_scale" not in load_file(tmp_path / "export" / "model.safetensors")
     assert back.cfg.context_scale is False  # speculators' plain fc, the scale inside it
     assert roundtrip_diff(model, back) < 1e-4
+
+
+def test_the_last_evaluation_is_also_measured_per_validation_source(
+    smoke_params, tiny_target, samples, tmp_path
+):
+    """data.val_sources: each source's held-out samples are measured on their own at the end;
+    the pooled figure stays the draft's tau_sim."""
+    params = tiny_params(smoke_params)
+    ids = [s.sample_id for s in samples]
+    sources = {0: "code", 1: "code", 2: "sharegpt", 3: "sharegpt"}
+    trainer = make_trainer(params, tiny_target, samples, tmp_path, eval_sources=sources)
+    trainer.fit(memory_source(samples), ids[4:], ids[:4])
+    by_id = {s.sample_id: s for s in samples}
+    for run in trainer.runs:
+        assert sorted(run.by_source) == ["code", "sharegpt"]
+        for name in run.by_source:
+            group = [by_id[i] for i, n in sources.items() if n == name]
+            alone = run.measure([collate(group, trainer.head)])
+            assert run.by_source[name]["tau_sim"] == alone["tau_sim"] is not None
+        pooled = [collate([by_id[0], by_id[1]], trainer.head)]
+        pooled.append(collate([by_id[2], by_id[3]], trainer.head))
+        assert run.last_eval == run.measure(pooled)
+    figures = summarize(trainer.runs, trainer.tokens)
+    assert (
+        figures["dspark"]["by_source"]["code"]["tau_sim"]
+        == trainer.runs[0].by_source["code"]["tau_sim"]
+    )
