@@ -117,8 +117,9 @@ def _stdlib_files(root: Path) -> list[Path]:
 
 @cache
 def function_stubs(root: Path | None = None) -> tuple[tuple[str, str, str], ...]:
-    """(id, stub, whole function) for every documented function of at least three statements:
-    the stub is its source up to the end of its docstring, dedented."""
+    """(id, stub, whole function) for every public function with a docstring of 40+ characters
+    and at least three statements after it, 60 lines at most: the stub is its source up to the
+    end of its docstring, dedented."""
     root = root or Path(sysconfig.get_paths()["stdlib"])
     out = []
     for path in _stdlib_files(root):
