@@ -230,7 +230,8 @@ def _manifests(args: argparse.Namespace) -> int:
     path = args.out / f"{spec.name}.yaml"
     if args.check:
         if not path.exists() or path.read_text() != text:
-            print(f"{path}: out of date (run dspark manifests --out {args.out})", file=sys.stderr)
+            again = f"dspark manifests --spec {args.spec} --out {args.out}"
+            print(f"{path}: out of date (run {again})", file=sys.stderr)
             return 1
         return 0
     write_text(path, text)
