@@ -9,6 +9,7 @@ opening their children. Pure: files in, two dicts out (the tracking code logs th
     lossless_mismatches           eval.json   checked decodes whose output differs from the target's
     speedup_c1.<mode>             bench.json  single-stream tok/s over the plain target's (`none`)
     tau_sim.<draft>               train.json  held-out acceptance length each trained draft reaches
+    tau_greedy.<draft>            train.json  the same under greedy decoding (as evaluate decodes)
     total_wall_s                  run.json    every stage's wall time, summed
     total_cpu_s                   run.json    every stage's CPU time (its children's too), summed
 
@@ -57,6 +58,7 @@ def headline(docs: dict[str, dict]) -> tuple[dict[str, float], dict[str, str]]:
     for draft, block in train.items():
         if isinstance(block, dict) and "tau_sim" in block:
             _put(metrics, f"tau_sim.{draft}", block["tau_sim"])
+            _put(metrics, f"tau_greedy.{draft}", block.get("tau_greedy"))
     _put(metrics, "total_wall_s", run.get("total_wall_s"))
     _put(metrics, "total_cpu_s", run.get("total_cpu_s"))
 
@@ -115,8 +117,12 @@ def summary(docs: dict[str, dict], mlflow: str, profile: str, folder: str = "met
         lines.append(f"  tau ratios, same prompts: {pairs}")
     sims = {d: b["tau_sim"] for d, b in train.items() if isinstance(b, dict) and "tau_sim" in b}
     if sims:
-        held = ", ".join(f"{d} {t:.3f}" for d, t in sims.items())
+        held = ", ".join(f"{d} {t:.3f}" for d, t in sims.items() if t is not None)
         lines.append(f"  held-out tau_sim after training: {held}")
+    greedy = {d: b.get("tau_greedy") for d, b in train.items() if isinstance(b, dict)}
+    if any(t is not None for t in greedy.values()):
+        held = ", ".join(f"{d} {t:.3f}" for d, t in greedy.items() if t is not None)
+        lines.append(f"  held-out greedy tau after training: {held}")
     lossless = ev.get("lossless")
     if isinstance(lossless, dict):
         lines.append(

@@ -56,16 +56,16 @@ def _train(root: Path) -> dict | None:
     state = _json(root / stages.TRAIN_CHECKPOINT / "state.json")
     if state is None:
         return None
-    return {
+    last = {name: run.get("last_eval") or {} for name, run in (state.get("runs") or {}).items()}
+    out = {
         "step": state.get("step"),
         "epoch": state.get("epoch"),
         "tokens": state.get("tokens"),
         "wall_s": round(state.get("loop_s", 0.0), 1),
-        "tau_sim": {
-            name: (run.get("last_eval") or {}).get("tau_sim")
-            for name, run in (state.get("runs") or {}).items()
-        },
+        "tau_sim": {name: ev.get("tau_sim") for name, ev in last.items()},
     }
+    greedy = {name: ev["tau_greedy"] for name, ev in last.items() if "tau_greedy" in ev}
+    return {**out, "tau_greedy": greedy} if greedy else out  # (older checkpoints lack it)
 
 
 def _records(folder: Path, what: str) -> dict | None:
@@ -80,12 +80,11 @@ def _figures(stage: str, done: dict) -> dict:
         keys = ("tokens", "onpolicy_tok_s")  # (a resumed run's samples_received: its last part)
         return {k: done[k] for k in keys if k in done}
     if stage == "train":
-        taus = {
-            name: run["tau_sim"]
-            for name, run in done.items()
-            if isinstance(run, dict) and "tau_sim" in run
-        }
-        return {"steps": done.get("steps"), "tokens": done.get("tokens"), "tau_sim": taus}
+        drafts = {name: run for name, run in done.items() if isinstance(run, dict)}
+        taus = {name: run["tau_sim"] for name, run in drafts.items() if "tau_sim" in run}
+        greedy = {name: run["tau_greedy"] for name, run in drafts.items() if "tau_greedy" in run}
+        out = {"steps": done.get("steps"), "tokens": done.get("tokens"), "tau_sim": taus}
+        return {**out, "tau_greedy": greedy} if greedy else out
     if stage == "evaluate":
         return {"mean_tau": done.get("mean")}
     if stage == "benchmark":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -20,6 +21,12 @@ BIN = Path(sys.executable).parent
 # Never reach for a hub from a test, and fail fast if something tries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """One JSON object a line: prompt files, as the CLI and the stages read them."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def under_ci() -> bool:

@@ -35,6 +35,11 @@ class Batch:
     # [B, S, k] int64: which draft tokens p_target holds (0 with probability 0 pads a position
     # whose k best leave the draft vocabulary); None: p_target is dense, every d in order.
     p_ids: torch.Tensor | None = None
+    # [B, S] int64: the target's own greedy choice at t over its whole vocabulary, as a draft
+    # index; -1 where it lies outside the draft vocabulary (no draft can propose it) or t is
+    # unsupervised. Unlike `labels`, never the best of the draft tokens when the target's is
+    # not one. None: not known (a batch built by hand).
+    greedy: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -68,9 +73,22 @@ class TargetHead(nn.Module):
     @torch.no_grad()
     def probs(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] pre-norm last-layer states -> [T, d] target probabilities of the draft tokens."""
+        return self.probs_and_greedy(last_hidden)[0]
+
+    @torch.no_grad()
+    def probs_and_greedy(self, last_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, H] pre-norm last-layer states -> [T, d] target probabilities of the draft tokens,
+        and [T] the draft index of the target's greedy token (-1 outside the draft vocabulary)."""
         w = self.lm_head.weight
         logits = self.lm_head(self.norm(last_hidden.to(w.dtype)).to(w.dtype)).float()  # [T, V]
-        return torch.softmax(logits, dim=-1)[:, self.draft_ids]
+        return torch.softmax(logits, dim=-1)[:, self.draft_ids], self.draft_index[logits.argmax(-1)]
+
+    @torch.no_grad()
+    def greedy_from_topk(self, logprobs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The target's top-k, log-probs [T, k] and token ids [T, k] -> [T] the draft index of
+        its most likely token (-1 outside the draft vocabulary)."""
+        best = ids.gather(-1, logprobs.argmax(-1, keepdim=True))[:, 0]
+        return self.draft_index[best.to(self.draft_index.device, torch.int64)]
 
     @torch.no_grad()
     def sparse_from_topk(
@@ -106,6 +124,7 @@ def collate(samples: list[Sample], head: TargetHead) -> Batch:
     aux = torch.zeros(b, s, num_aux * h, device=dev)
     valid = torch.zeros(b, s, dtype=torch.bool, device=dev)
     labels = torch.full((b, s), -1, dtype=torch.int64, device=dev)
+    greedy = torch.full((b, s), -1, dtype=torch.int64, device=dev)
     p_target = torch.zeros(b, s, k, device=dev)
     p_ids = torch.zeros(b, s, k, dtype=torch.int64, device=dev) if sparse else None
     for i, x in enumerate(samples):
@@ -122,12 +141,15 @@ def collate(samples: list[Sample], head: TargetHead) -> Batch:
             p_target[i, where, :width], p_ids[i, where, :width] = probs, ids
             best = probs.argmax(-1, keepdim=True)
             label = ids.gather(-1, best)[:, 0]
+            greedy[i, where] = head.greedy_from_topk(x.target_logprobs, x.target_ids)
         elif x.target_logprobs is not None:
             probs = head.probs_from_topk(x.target_logprobs, x.target_ids)
             p_target[i, where] = probs
             label = probs.argmax(-1)
+            greedy[i, where] = head.greedy_from_topk(x.target_logprobs, x.target_ids)
         else:
-            p_target[i, where] = probs = head.probs(x.last_hidden.to(dev)[where])
+            probs, greedy[i, where] = head.probs_and_greedy(x.last_hidden.to(dev)[where])
+            p_target[i, where] = probs
             label = probs.argmax(-1)
         # No draft token among the k: nothing to take the argmax of.
         labels[i, where] = torch.where(probs.amax(-1) > 0, label, -1)
@@ -140,4 +162,5 @@ def collate(samples: list[Sample], head: TargetHead) -> Batch:
         labels=labels,
         p_target=p_target,
         p_ids=p_ids,
+        greedy=greedy,
     )

@@ -60,8 +60,10 @@ def slot_losses(
     *,
     total: Callable[[torch.Tensor], torch.Tensor] | None = None,
     p_ids: torch.Tensor | None = None,  # [N, K, k] draft indices of p_target; None: dense
+    greedy: torch.Tensor | None = None,  # [N, K] the target's greedy token, -1 out of reach
 ) -> dict[str, torch.Tensor]:
-    """Weighted CE + TV (+ KL, + confidence BCE), with the acceptance each slot would get.
+    """Weighted CE + TV (+ KL, + confidence BCE), with the acceptance each slot would get:
+    `accept` when both sample, `greedy_accept` (given `greedy`) when both take their argmax.
     Each term is its slot-decayed sum over the supervised slots' count (speculators' reduction,
     held to it by tests/speculators/test_loss_terms.py).
 
@@ -115,24 +117,35 @@ def slot_losses(
     out["loss"] = loss
     out["accept"] = accept.detach()
     out["mask"] = mask
+    if greedy is not None:  # greedy decoding accepts a slot iff the two argmaxes agree
+        out["greedy_accept"] = (logits.detach().argmax(-1) == greedy).to(accept.dtype)
     return out
 
 
 @dataclass
 class AcceptanceStats:
-    """Running sums behind tau_sim and the per-slot acceptance."""
+    """Running sums behind tau_sim and the per-slot acceptance; with greedy acceptance given
+    (`add(..., greedy=)`), the same for greedy decoding, over the same blocks and slots."""
 
     k: int
     accept_sum: torch.Tensor | None = None  # [K]
     slot_count: torch.Tensor | None = None  # [K]
     tau_sum: float = 0.0
     blocks: int = 0
+    greedy_sum: torch.Tensor | None = None  # [K]
+    greedy_count: torch.Tensor | None = None  # [K] the supervised slots greedy was measured on
+    greedy_tau_sum: float = 0.0
+    greedy_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.accept_sum = torch.zeros(self.k, dtype=torch.float64)
         self.slot_count = torch.zeros(self.k, dtype=torch.float64)
+        self.greedy_sum = torch.zeros(self.k, dtype=torch.float64)
+        self.greedy_count = torch.zeros(self.k, dtype=torch.float64)
 
-    def add(self, accept: torch.Tensor, mask: torch.Tensor) -> None:
+    def add(
+        self, accept: torch.Tensor, mask: torch.Tensor, greedy: torch.Tensor | None = None
+    ) -> None:
         accept, mask = accept.detach().double().cpu(), mask.detach().cpu()
         self.accept_sum += (accept * mask).sum(0)
         self.slot_count += mask.sum(0)
@@ -140,6 +153,13 @@ class AcceptanceStats:
         if full.any():
             self.tau_sum += float(tau_sim(accept[full]).sum())
             self.blocks += int(full.sum())
+        if greedy is not None:
+            greedy = greedy.detach().double().cpu()
+            self.greedy_sum += (greedy * mask).sum(0)
+            self.greedy_count += mask.sum(0)
+            if full.any():
+                self.greedy_tau_sum += float(tau_sim(greedy[full]).sum())
+                self.greedy_blocks += int(full.sum())
 
     @property
     def pos_accept(self) -> list[float]:
@@ -149,6 +169,25 @@ class AcceptanceStats:
     @property
     def tau(self) -> float:
         return self.tau_sum / self.blocks if self.blocks else math.nan
+
+    @property
+    def measured_greedy(self) -> bool:
+        """Whether any batch added carried greedy acceptance (see Batch.greedy)."""
+        return bool(self.greedy_count.sum() > 0)
+
+    @property
+    def pos_greedy(self) -> list[float]:
+        rate = self.greedy_sum / self.greedy_count.clamp_min(1)
+        return [round(float(x), 4) for x in rate]
+
+    @property
+    def tau_greedy(self) -> float:
+        """Greedy decoding's acceptance length: 1 + the run of slots whose draft argmax is the
+        target's greedy token, each slot given the data's tokens before it. Greedy decoding
+        gives it exactly those once the slots before it are accepted, if the data is the
+        target's own greedy answer (prepare with greedy sampling and regenerate_fraction 1, as
+        the default and full profiles are); on other answers it is an estimate."""
+        return self.greedy_tau_sum / self.greedy_blocks if self.greedy_blocks else math.nan
 
 
 def tau_sim(accept: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,7 @@ class Slots:
     p_ids: torch.Tensor | None  # [N, K, k] their draft indices; None: dense
     labels: torch.Tensor  # [N, K] the target's argmax (a draft index), -1 none
     valid: torch.Tensor  # [N, K] bool
+    greedy: torch.Tensor | None = None  # [N, K] the target's greedy token (Batch.greedy)
 
 
 def gather_slots(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, k: int) -> Slots:
@@ -83,7 +84,8 @@ def gather_slots(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, k: int) 
     rows = torch.arange(anchors.shape[0], device=anchors.device)[:, None, None]
     valid = batch.valid[rows, pos] & inside & ok[:, :, None]
     ids = None if batch.p_ids is None else batch.p_ids[rows, pos][ok]
-    return Slots(batch.p_target[rows, pos][ok], ids, batch.labels[rows, pos][ok], valid[ok])
+    greedy = None if batch.greedy is None else batch.greedy[rows, pos][ok]
+    return Slots(batch.p_target[rows, pos][ok], ids, batch.labels[rows, pos][ok], valid[ok], greedy)
 
 
 Total = Callable[[torch.Tensor], torch.Tensor]  # sums over the data-parallel ranks
@@ -108,6 +110,7 @@ class DSparkObjective:
             conf,
             total=self.total,
             p_ids=t.p_ids,
+            greedy=None if model.training else t.greedy,  # measured, never trained on
         )
 
     def skip(self, gen: torch.Generator, candidates: list[int]) -> None:
@@ -125,7 +128,14 @@ class Eagle3Objective:
         logits = model.forward_ttt(batch.input_ids, batch.aux, chains, ok)  # [N, K, d]
         t = gather_slots(batch, chains, ok, model.cfg.ttt_steps)
         return slot_losses(
-            logits, t.p_target, t.labels, t.valid, self.weights, total=self.total, p_ids=t.p_ids
+            logits,
+            t.p_target,
+            t.labels,
+            t.valid,
+            self.weights,
+            total=self.total,
+            p_ids=t.p_ids,
+            greedy=None if model.training else t.greedy,
         )
 
     def skip(self, gen: torch.Generator, candidates: list[int]) -> None:

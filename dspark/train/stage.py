@@ -355,16 +355,18 @@ def summarize(runs: list[DraftRun], tokens: int) -> dict:
         entry = {
             "tau_sim": run.last_eval.get("tau_sim"),
             "pos_accept": run.last_eval.get("pos_accept"),
+            "tau_greedy": run.last_eval.get("tau_greedy"),
+            "pos_greedy": run.last_eval.get("pos_greedy"),
             "final_loss": run.last_eval.get("loss"),
             "tokens_per_s": round(tokens / run.wall_s, 1) if run.wall_s else None,
             "wall_s": round(run.wall_s, 2),
             "params": sum(p.numel() for p in run.params),
             "curve": run.curve,
         }
-        if run.by_source:  # data.val_sources: the held-out tau_sim of each source
+        if run.by_source:  # data.val_sources: the held-out figures of each source
+            keys = ("tau_sim", "pos_accept", "tau_greedy", "pos_greedy")
             entry["by_source"] = {
-                name: {"tau_sim": r["tau_sim"], "pos_accept": r["pos_accept"]}
-                for name, r in run.by_source.items()
+                name: {k: r.get(k) for k in keys} for name, r in run.by_source.items()
             }
         if run.name in MARKOV_ABLATION:
             out.setdefault("markov_ablation", {})[run.name.removeprefix("dspark_")] = entry
@@ -390,7 +392,7 @@ def wall_clock_goal(dspark_curve: list[list[float]], eagle3: dict) -> dict:
         }
     reached = None
     prev = None
-    for wall, _tokens, tau in dspark_curve:
+    for wall, _tokens, tau, *_greedy in dspark_curve:
         if tau is not None and tau >= target_tau:
             if prev is None or prev[1] >= target_tau:
                 reached = wall
@@ -412,13 +414,14 @@ def wall_clock_goal(dspark_curve: list[list[float]], eagle3: dict) -> dict:
 
 
 def write_curves(runs: list[DraftRun], csv_path: Path, png_path: Path) -> None:
-    """tau_sim against training tokens and against wall time, one line per draft."""
+    """Held-out tau_sim (and, dashed, greedy tau) against training tokens and against wall
+    time, one colour per draft."""
     with atomic_path(csv_path) as tmp, tmp.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["draft", "wall_s", "tokens", "tau_sim"])
+        w.writerow(["draft", "wall_s", "tokens", "tau_sim", "tau_greedy"])
         for run in runs:
-            for wall, tokens, tau in run.curve:
-                w.writerow([run.name, wall, tokens, tau])
+            for wall, tokens, tau, *greedy in run.curve:
+                w.writerow([run.name, wall, tokens, tau, greedy[0] if greedy else None])
     import matplotlib
 
     matplotlib.use("Agg")
@@ -426,13 +429,26 @@ def write_curves(runs: list[DraftRun], csv_path: Path, png_path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:
-        walls, toks, taus = zip(*run.curve, strict=True) if run.curve else ([], [], [])
-        axes[0].plot(toks, taus, marker="o", ms=3, label=run.name)
-        axes[1].plot(walls, taus, marker="o", ms=3, label=run.name)
+        walls = [point[0] for point in run.curve]
+        toks = [point[1] for point in run.curve]
+        taus = [point[2] for point in run.curve]
+        greedy = [point[3] if len(point) > 3 else None for point in run.curve]
+        for ax, xs in ((axes[0], toks), (axes[1], walls)):
+            (line,) = ax.plot(xs, taus, marker="o", ms=3, label=f"{run.name} tau_sim")
+            if any(g is not None for g in greedy):
+                kept = [(x, g) for x, g in zip(xs, greedy, strict=True) if g is not None]
+                ax.plot(
+                    *zip(*kept, strict=True),
+                    ls="--",
+                    color=line.get_color(),
+                    marker="x",
+                    ms=3,
+                    label=f"{run.name} greedy",
+                )
     axes[0].set_xlabel("training tokens")
     axes[1].set_xlabel("draft wall time (s)")
     for ax in axes:
-        ax.set_ylabel("held-out tau_sim")
+        ax.set_ylabel("held-out acceptance length")
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -85,7 +85,9 @@ class DraftRun:
     optim: OptimConfig
     slots: int  # tokens drafted per step (block size or TTT depth)
     wall_s: float = 0.0
-    curve: list[list[float]] = field(default_factory=list)  # [wall_s, tokens, tau_sim]
+    # [wall_s, tokens, tau_sim, tau_greedy] per held-out evaluation (checkpoints of older code
+    # hold the first three)
+    curve: list[list[float]] = field(default_factory=list)
     last_eval: dict = field(default_factory=dict)
     by_source: dict[str, dict] = field(default_factory=dict)  # the last eval, per source
 
@@ -175,16 +177,20 @@ class DraftRun:
         losses = []
         for batch in batches:
             out = self.eval_objective(self.model, batch, None)
-            stats.add(out["accept"], out["mask"])
+            stats.add(out["accept"], out["mask"], out.get("greedy_accept"))
             losses.append(float(out["loss"]))
-        tau = stats.tau
-        return {
+        tau, greedy = stats.tau, stats.tau_greedy
+        result = {
             # None when no held-out block is supervised in every slot (very short responses)
             "tau_sim": None if math.isnan(tau) else round(tau, 4),
             "pos_accept": stats.pos_accept,
             "loss": round(sum(losses) / max(1, len(losses)), 5),
             "blocks": stats.blocks,
         }
+        if stats.measured_greedy:  # batches built by collate know the target's greedy tokens
+            result["tau_greedy"] = None if math.isnan(greedy) else round(greedy, 4)
+            result["pos_greedy"] = stats.pos_greedy
+        return result
 
 
 SourceFactory = Callable[[list[int]], AbstractContextManager[Source]]
@@ -370,10 +376,13 @@ class Trainer:
         for run in self.runs:
             result = run.evaluate(batches)
             for name, group in by_source.items():
-                run.by_source[name] = run.measure(group)
-                logged[f"{run.name}/eval_tau_sim/{name}"] = run.by_source[name]["tau_sim"]
-            run.curve.append([round(run.wall_s, 3), self.tokens, result["tau_sim"]])
+                run.by_source[name] = part = run.measure(group)
+                logged[f"{run.name}/eval_tau_sim/{name}"] = part["tau_sim"]
+                logged[f"{run.name}/eval_tau_greedy/{name}"] = part.get("tau_greedy")
+            greedy = result.get("tau_greedy")
+            run.curve.append([round(run.wall_s, 3), self.tokens, result["tau_sim"], greedy])
             logged[f"{run.name}/eval_tau_sim"] = result["tau_sim"]
+            logged[f"{run.name}/eval_tau_greedy"] = greedy
             logged[f"{run.name}/eval_loss"] = result["loss"]
             # Beside it in the draft's run, so a chart can put held-out tau_sim against the
             # tokens trained on and the draft's own training seconds, not only the step.

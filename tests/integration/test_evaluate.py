@@ -19,7 +19,7 @@ from dspark.evaluate.stage import EvalPaths, Evaluation, evaluate, select_prompt
 from dspark.io import atomic_dir
 from dspark.models.dspark import DSparkDraft
 from dspark.train.checkpoint import save_draft
-from tests.conftest import ROOT, tool_env
+from tests.conftest import ROOT, tool_env, write_jsonl
 from tests.unit.test_spec_decode import tiny_drafts, trained_drafts
 
 PROMPTS = [
@@ -59,16 +59,11 @@ def params(*overrides):
     )
 
 
-def write_prompts(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def eval_paths(target_dir, drafts, tmp_path, rows=PROMPTS):
     return EvalPaths(
         target=target_dir,
         drafts=drafts,
-        prompts=write_prompts(tmp_path / "p.jsonl", rows),
+        prompts=write_jsonl(tmp_path / "p.jsonl", rows),
         plots=tmp_path / "plots",
         report=tmp_path / "report.md",
         records=tmp_path / "records",
@@ -76,7 +71,7 @@ def eval_paths(target_dir, drafts, tmp_path, rows=PROMPTS):
 
 
 def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
-    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
     paths = EvalPaths(
         target=tiny_target_dir,
         drafts=drafts,
@@ -156,7 +151,7 @@ def test_missing_draft_is_a_clear_error(tiny_target_dir, tmp_path):
     paths = EvalPaths(
         target=tiny_target_dir,
         drafts=tmp_path / "none-here",
-        prompts=write_prompts(tmp_path / "p.jsonl", PROMPTS[:1]),
+        prompts=write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1]),
         plots=tmp_path / "plots",
         report=tmp_path / "r.md",
         records=tmp_path / "records",
@@ -211,7 +206,7 @@ def test_a_batch_decodes_each_prompt_as_it_decodes_alone(tiny_target_dir, drafts
     """tau does not depend on the batch: every method's per-prompt tokens, acceptances and tau,
     replayed or live, are those of one-at-a-time decoding, and the reference batched equals it
     alone."""
-    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS)
 
     def run(batch: int) -> dict[str, dict]:
         paths = EvalPaths(
@@ -262,7 +257,7 @@ def test_the_markov_ablation_decodes_beside_dspark(
     paths = EvalPaths(
         target=tiny_target_dir,
         drafts=folder,
-        prompts=write_prompts(tmp_path / "p.jsonl", PROMPTS[:1] + PROMPTS[2:3]),
+        prompts=write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1] + PROMPTS[2:3]),
         plots=tmp_path / "plots",
         report=tmp_path / "report.md",
         records=tmp_path / "records",

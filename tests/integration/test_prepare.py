@@ -8,7 +8,7 @@ from dspark.data.prepare import PreparePaths, prepare
 from dspark.data.prompts import read_prompt_file
 from dspark.errors import DataError
 
-from ..conftest import ROOT
+from ..conftest import ROOT, write_jsonl
 
 
 @pytest.fixture
@@ -19,9 +19,7 @@ def train_file(tmp_path):
         for w in ("owls", "rivers", "copper", "tea", "maps", "bridges", "salt")
     ]
     rows.insert(2, {"category": "question", "prompt": eval_prompt})
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_jsonl(tmp_path / "train.jsonl", rows)
 
 
 def run(tiny_target, tiny_target_dir, tmp_path, train_file, *sets):
@@ -133,8 +131,7 @@ def from_prompt_file(path, target_dir, tmp_path):
 
 
 def test_no_usable_prompts(tiny_target, tiny_target_dir, tmp_path):
-    path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps({"category": "x", "prompt": "word " * 400}) + "\n")
+    path = write_jsonl(tmp_path / "t.jsonl", [{"category": "x", "prompt": "word " * 400}])
     params, paths = from_prompt_file(path, tiny_target_dir, tmp_path)
     with pytest.raises(DataError, match="give 0 usable prompts"):
         prepare(params, tiny_target, paths, progress=False)
@@ -143,13 +140,12 @@ def test_no_usable_prompts(tiny_target, tiny_target_dir, tmp_path):
 def test_too_few_prompts_for_num_samples_fails_before_generating(
     tiny_target, tiny_target_dir, tmp_path
 ):
-    path = tmp_path / "t.jsonl"
     lines = [{"category": "x", "prompt": f"Question {i}?"} for i in range(3)]
     lines += [
         {"category": "x", "prompt": "word " * 400},
         {"category": "x", "prompt": "Question 0?"},
     ]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    path = write_jsonl(tmp_path / "t.jsonl", lines)
     params, paths = from_prompt_file(path, tiny_target_dir, tmp_path)
     message = (
         r"prepare.num_samples: 8 asked, data.train_sources give 3 usable prompts \(1 longer "
@@ -166,8 +162,7 @@ def test_validation_split_comes_first_and_is_never_trained_on(
     """data.val_sources: the first train.eval_samples samples are its prompts (the train stage
     holds out the lowest ids), and a training prompt equal to one of them is skipped."""
     rows = [{"category": "train", "prompt": f"Tell me about {w}."} for w in ("owls", "glass")]
-    val_file = tmp_path / "val.jsonl"
-    val_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    val_file = write_jsonl(tmp_path / "val.jsonl", rows)
     metrics, paths = run(
         tiny_target,
         tiny_target_dir,
@@ -189,8 +184,9 @@ def test_validation_split_comes_first_and_is_never_trained_on(
 def test_too_few_validation_prompts_is_a_clear_error(
     tiny_target, tiny_target_dir, tmp_path, train_file
 ):
-    val_file = tmp_path / "val.jsonl"
-    val_file.write_text(json.dumps({"category": "train", "prompt": "Name a river."}) + "\n")
+    val_file = write_jsonl(
+        tmp_path / "val.jsonl", [{"category": "train", "prompt": "Name a river."}]
+    )
     with pytest.raises(DataError, match=r"data.val_sources: 1 usable prompts for train.eval_s"):
         run(
             tiny_target,
@@ -210,10 +206,10 @@ def test_weights_are_shares_of_the_usable_prompts(tiny_target, tiny_target_dir, 
         a_rows += [{"category": "train", "prompt": f"{long_text}{i}"}]
         a_rows += [{"category": "train", "prompt": f"Alpha topic {i}."}]
     b_rows = [{"category": "train", "prompt": f"Beta topic {i}."} for i in range(6)]
-    files = []
-    for name, rows in (("a", a_rows), ("b", b_rows)):
-        files.append(tmp_path / f"{name}.jsonl")
-        files[-1].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    files = [
+        write_jsonl(tmp_path / f"{name}.jsonl", rows)
+        for name, rows in (("a", a_rows), ("b", b_rows))
+    ]
     metrics, paths = run(
         tiny_target,
         tiny_target_dir,

@@ -20,7 +20,7 @@ from dspark.config import load_params
 from dspark.io import atomic_dir
 from dspark.serve.bench import BenchPaths, benchmark
 from dspark.train.checkpoint import save_draft
-from tests.conftest import ROOT
+from tests.conftest import ROOT, write_jsonl
 from tests.unit.test_spec_decode import trained_drafts
 
 PROMPT = [1, 20, 30, 40, 50, 60, 70, 80]
@@ -257,8 +257,7 @@ def bench_prompts(path):
         {"id": f"m{i}", "category": "math_reasoning", "prompt": words.format(i, i + 3, i + 1)}
         for i in range(4)
     ] + [{"id": "w", "category": "writing", "prompt": "Write two lines about the sea and rain."}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_jsonl(path, rows)
 
 
 def bench_params(*extra):

@@ -1,7 +1,9 @@
 """Training on the tiny target: learning, resume, checkpoints and the export round trip."""
 
+import csv
 import signal
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ from dspark.train.checkpoint import read_state, save_draft
 from dspark.train.losses import LossWeights
 from dspark.train.objectives import DSparkObjective
 from dspark.train.sources import Source
-from dspark.train.stage import build_runs, summarize
+from dspark.train.stage import build_runs, summarize, write_curves
 from dspark.train.trainer import DraftRun, Trainer
 
 from ..unit.test_drafts import SHAPE
@@ -341,6 +343,16 @@ def test_the_markov_ablation_trains_every_variant_beside_the_main_drafts(
     assert out["goal"]["eagle3_final_tau_sim"] == 2.0 and out["goal"]["met"] is False
 
 
+def test_curves_of_a_checkpoint_from_before_greedy_tau_still_write(tmp_path):
+    """A run resumed from an older checkpoint holds 3-field points (no tau_greedy) before its
+    4-field ones: the CSV leaves their greedy cell empty and the plot skips them."""
+    run = SimpleNamespace(name="dspark", curve=[[0.0, 0, 1.0], [5.0, 50, 1.2, 1.3]])
+    write_curves([run], tmp_path / "c.csv", tmp_path / "c.png")
+    rows = list(csv.DictReader((tmp_path / "c.csv").open()))
+    assert [(r["tau_sim"], r["tau_greedy"]) for r in rows] == [("1.0", ""), ("1.2", "1.3")]
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
 def test_every_draft_tensor_lands_on_the_training_device(tiny_target_dir, smoke_params):
     """What `train.device` moves: each draft's weights, buffers and the target embedding it
     borrows outside its module tree. The meta device stands in for a GPU here."""
@@ -410,6 +422,11 @@ def test_targets_from_the_extracted_top_k_are_the_lm_heads(tiny_target, samples,
     has = fast.labels >= 0  # a position whose k best hold no draft token has no label
     assert bool(has[exact.valid].any()) and torch.equal(fast.labels[has], exact.labels[has])
     assert bool((fast.labels[exact.valid & ~has] == -1).all())
+    # The target's greedy token is its top-1 over the whole vocabulary, which every k holds.
+    assert torch.equal(fast.greedy, exact.greedy)
+    # Where it is no draft token, greedy decoding can never accept, though CE has a label.
+    outside = exact.valid & (exact.greedy == -1)
+    assert bool(outside.any()) and bool((exact.labels[outside] >= 0).all())
 
 
 def test_the_block_drafts_take_the_sweep_levers_kv_heads_and_kl(
@@ -505,6 +522,7 @@ def test_the_last_evaluation_is_also_measured_per_validation_source(
             group = [by_id[i] for i, n in sources.items() if n == name]
             alone = run.measure([collate(group, trainer.head)])
             assert run.by_source[name]["tau_sim"] == alone["tau_sim"] is not None
+            assert run.by_source[name]["tau_greedy"] == alone["tau_greedy"] is not None
         pooled = [collate([by_id[0], by_id[1]], trainer.head)]
         pooled.append(collate([by_id[2], by_id[3]], trainer.head))
         assert run.last_eval == run.measure(pooled)
@@ -513,3 +531,12 @@ def test_the_last_evaluation_is_also_measured_per_validation_source(
         figures["dspark"]["by_source"]["code"]["tau_sim"]
         == trainer.runs[0].by_source["code"]["tau_sim"]
     )
+    dspark = figures["dspark"]
+    assert (
+        dspark["by_source"]["code"]["tau_greedy"] == trainer.runs[0].by_source["code"]["tau_greedy"]
+    )
+    assert 1.0 <= dspark["tau_greedy"] <= 1 + params.train.dspark.block_size
+    assert len(dspark["pos_greedy"]) == params.train.dspark.block_size
+    # every held-out point: [wall_s, tokens, tau_sim, tau_greedy]
+    assert [len(point) for point in dspark["curve"]] == [4] * len(dspark["curve"])
+    assert dspark["curve"][-1][2:] == [dspark["tau_sim"], dspark["tau_greedy"]]

@@ -9,7 +9,6 @@ About 2-3 minutes: two server starts on 2 cores.
 """
 
 import asyncio
-import json
 
 import pytest
 
@@ -21,7 +20,7 @@ from dspark.engines.vllm_server import VllmServer
 from dspark.models.target import load_target, materialize
 from dspark.serve.client import closed_loop, summarize
 
-from ..conftest import ROOT, skip_or_fail
+from ..conftest import ROOT, skip_or_fail, write_jsonl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -106,9 +105,8 @@ def test_the_load_client_streams_from_vllm(server, smollm2):
 
 
 def test_prepare_regenerates_through_vllm(venv, smollm2, smollm2_dir, tmp_path):
-    train = tmp_path / "train.jsonl"
     rows = [{"category": "train", "messages": [{"role": "user", "content": q}]} for q in QUESTIONS]
-    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
 
     def run(engine: str):
         params = load_params(

@@ -63,6 +63,8 @@ def test_each_label_is_the_next_token_of_greedy_data(greedy):
         assert at.numel() >= 15
         # valid[t]: x_{t+1} is a response token, and the target's argmax at t is x_{t+1}
         assert torch.equal(b.labels[row, at], b.input_ids[row, at + 1])
+        assert torch.equal(b.greedy[row, at], b.input_ids[row, at + 1])
+        assert bool((b.greedy[row][~b.valid[row]] == -1).all())  # unsupervised: no greedy token
     anchors, ok = pick_anchors(anchor_candidates(b), None, None)
     slots = gather_slots(b, anchors, ok, K)
     labels, valid = slots.labels, slots.valid
@@ -110,14 +112,19 @@ class TargetAsDraft(torch.nn.Module):
     ],
 )
 def test_a_draft_equal_to_the_target_is_accepted_on_every_slot(objective, greedy, varied):
-    out = objective(TargetAsDraft(varied), greedy, torch.Generator().manual_seed(0))
+    # eval mode: greedy acceptance is measured on held-out batches, never while training
+    out = objective(TargetAsDraft(varied).eval(), greedy, torch.Generator().manual_seed(0))
     accept, mask = out["accept"], out["mask"]
     assert mask.sum() > 20
     assert torch.allclose(accept[mask], torch.ones(int(mask.sum())), atol=1e-4)
     assert float(out["loss_tv"]) < 1e-4
+    assert bool((out["greedy_accept"][mask] == 1).all())  # greedy decoding accepts it too
+    trained = objective(TargetAsDraft(varied).train(), greedy, torch.Generator().manual_seed(0))
+    assert "greedy_accept" not in trained
     # ... and the same draft one position off is not: the check can fail.
-    off = objective(TargetAsDraft(varied, shift=1), greedy, torch.Generator().manual_seed(0))
+    off = objective(TargetAsDraft(varied, shift=1).eval(), greedy, torch.Generator().manual_seed(0))
     assert float(off["accept"][off["mask"]].mean()) < 0.5
+    assert float(off["greedy_accept"][off["mask"]].mean()) < 0.5
 
 
 def test_eagle3_unrolls_max_anchors_chains_drawn_as_dspark_draws_its_anchors(greedy, varied):

@@ -12,7 +12,13 @@ from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.models.layers import LayerShape
 from dspark.models.vocab import build_draft_ids
 from dspark.train.batch import Batch
-from dspark.train.losses import LossWeights, slot_losses, supervised_prefix, tau_sim
+from dspark.train.losses import (
+    AcceptanceStats,
+    LossWeights,
+    slot_losses,
+    supervised_prefix,
+    tau_sim,
+)
 from dspark.train.objectives import anchor_candidates, pick_anchors
 
 SHAPE = LayerShape(
@@ -162,6 +168,31 @@ def test_a_sparse_target_gives_the_dense_losses_and_gradients(weights):
     for term in ("loss", "loss_ce", "loss_tv", "accept") + (("loss_kl",) if weights.kl else ()):
         torch.testing.assert_close(got[term], want[term], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_greedy_acceptance_is_argmax_agreement_and_its_tau_runs_until_the_first_miss():
+    """A slot is accepted greedily iff the draft's argmax is the target's greedy token; -1 (the
+    target's token is outside the draft vocabulary) is never accepted, whatever the draft says.
+    tau_greedy counts the run of accepted slots over the same blocks as tau_sim."""
+    logits = torch.tensor([[[3.0, 0, 0, 0], [0, 3.0, 0, 0], [0, 0, 3.0, 0]],
+                           [[3.0, 0, 0, 0], [0, 3.0, 0, 0], [0, 0, 3.0, 0]],
+                           [[3.0, 0, 0, 0], [0, 3.0, 0, 0], [0, 0, 3.0, 0]]])  # fmt: skip
+    greedy = torch.tensor([[0, 1, 3], [-1, 1, 2], [0, 1, 2]])
+    valid = torch.ones(3, 3, dtype=torch.bool)
+    valid[2, 2] = False  # a block cut short: its slots count, it joins no tau
+    p = torch.softmax(logits, -1)
+    out = slot_losses(logits, p, p.argmax(-1), valid, LossWeights(), greedy=greedy)
+    assert out["greedy_accept"].tolist() == [[1, 1, 0], [0, 1, 1], [1, 1, 1]]
+    stats = AcceptanceStats(3)
+    stats.add(out["accept"], out["mask"], out["greedy_accept"])
+    assert stats.tau_greedy == pytest.approx((3 + 1) / 2)  # 1 + 1 + 1, then 1 + 0
+    assert stats.pos_greedy == [0.6667, 1.0, 0.5]  # rounded as pos_accept is
+    assert stats.blocks == stats.greedy_blocks == 2 and stats.measured_greedy
+    plain = slot_losses(logits, p, p.argmax(-1), valid, LossWeights())
+    assert "greedy_accept" not in plain  # no greedy tokens (a batch built by hand): no claim
+    unknown = AcceptanceStats(3)
+    unknown.add(plain["accept"], plain["mask"])
+    assert not unknown.measured_greedy and math.isnan(unknown.tau_greedy)
 
 
 def test_slots_after_an_unsupervised_one_are_not_supervised():

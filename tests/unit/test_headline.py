@@ -36,10 +36,12 @@ def test_headline_of_the_committed_metrics(folder):
 def test_the_two_committed_profiles_differ_where_a_table_should_show_it():
     default, _ = headline(read_docs(ROOT / "metrics"))
     full, tags = headline(read_docs(ROOT / "metrics/full"))
-    # Same columns in the runs table, except the full profile's third draft (DFlash) and the
-    # CPU time, which the full profile's runs (code before cpu_s) did not record.
-    assert set(default) - {"total_cpu_s"} <= set(full)
-    assert {k.rsplit(".", 1)[1] for k in set(full) - set(default)} <= {"dflash"}
+    # Same columns in the runs table, except the full profile's third draft (DFlash) and what
+    # one profile's committed run recorded and the other's code did not yet: the CPU time
+    # (cpu_s) and greedy held-out tau.
+    newer = {k for k in set(default) ^ set(full) if k.startswith("tau_greedy.")}
+    assert set(default) - {"total_cpu_s"} - newer <= set(full)
+    assert {k.rsplit(".", 1)[1] for k in set(full) - set(default) - newer} <= {"dflash"}
     assert default["total_wall_s"] != full["total_wall_s"]
     assert tags["profile"] == "full"
 
@@ -103,3 +105,14 @@ def test_cpu_time_is_a_headline_when_the_run_recorded_it():
     docs["run"]["total_cpu_s"] = None  # a stage's file from before cpu_s: no total, no claim
     assert "total_cpu_s" not in headline(docs)[0]
     assert "CPU-seconds" not in summary(docs, "http://127.0.0.1:5000", "default")
+
+
+def test_greedy_held_out_tau_is_a_headline_when_the_run_measured_it():
+    docs = read_docs(ROOT / "metrics")
+    dspark = {k: v for k, v in docs["train"]["dspark"].items() if k != "tau_greedy"}
+    docs["train"] = {**docs["train"], "dspark": dspark}
+    assert "tau_greedy.dspark" not in headline(docs)[0]  # a run from before it: no claim
+    docs["train"]["dspark"] = {**dspark, "tau_greedy": 1.0421}
+    assert headline(docs)[0]["tau_greedy.dspark"] == 1.0421
+    text = summary(docs, "http://127.0.0.1:5000", "default")
+    assert "held-out greedy tau after training: dspark 1.042" in text
