@@ -213,6 +213,57 @@ def build_runs(
     return runs
 
 
+@dataclass
+class Start:
+    """The drafts as the stage starts them, and what they were built from."""
+
+    runs: list[DraftRun]
+    draft_ids: torch.Tensor  # the draft vocabulary
+    counts: torch.Tensor  # [V] the training answers' token counts
+    mask_id: int
+
+
+def starting_drafts(
+    params: Params,
+    paths: TrainPaths,
+    target: Target,
+    held: set[int],
+    aux_layers: list[int],
+    device: torch.device = CPU,
+) -> Start:
+    """The vocabulary is the training answers' most frequent tokens (the `held` samples' not
+    counted) and the mask token the first special token they never use."""
+    t = params.train
+    counts = count_tokens(
+        (s for s in answered_samples(params, paths) if s.sample_id not in held), target.vocab_size
+    )
+    if not int(counts.sum()):
+        raise DataError(
+            f"{paths.shards}: no response tokens to build the draft vocabulary from "
+            "(prepare.engine extract: train on the extract stage's shards)"
+        )
+    draft_ids = build_draft_ids(counts, t.draft_vocab_size, always=[target.eos_token_id])
+    mask_id = resolve_mask_token(t.dspark.mask_token_id, target, counts)
+    runs = build_runs(params, target, draft_ids, aux_layers, mask_id, device)
+    return Start(runs, draft_ids, counts, mask_id)
+
+
+def run_fingerprint(params: Params, paths: TrainPaths, tokens_doc: dict) -> str:
+    """Everything DVC would rerun this stage for: a checkpoint with another fingerprint is
+    started over, never resumed."""
+    hidden_manifest = paths.hidden / "manifest.json"
+    return fingerprint(
+        code_hash(),
+        params.target.model_dump(mode="json"),
+        # Results do not depend on the world size: a checkpoint resumes on any number of ranks.
+        params.train.model_dump(mode="json", exclude={"world_size"}),
+        params.extract.model_dump(mode="json"),
+        read_manifest(paths.target),
+        [s["sha256"] for s in tokens_doc["shards"]],
+        file_digest(hidden_manifest) if hidden_manifest.is_file() else None,
+    )
+
+
 def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
     """Run the stage; return its metrics. With train.world_size > 1 this process is rank 0
     and starts the other ranks."""
@@ -252,36 +303,13 @@ def train_rank(
             "from data.val_sources (rerun prepare)"
         )
     train_ids, eval_ids = split_eval(list(range(tokens_doc["num_samples"])), t.eval_samples)
-    held = set(eval_ids)
-    counts = count_tokens(
-        (s for s in answered_samples(params, paths) if s.sample_id not in held), target.vocab_size
-    )
-    if not int(counts.sum()):
-        raise DataError(
-            f"{paths.shards}: no response tokens to build the draft vocabulary from "
-            "(prepare.engine extract: train on the extract stage's shards)"
-        )
-    draft_ids = build_draft_ids(counts, t.draft_vocab_size, always=[target.eos_token_id])
-    mask_id = resolve_mask_token(t.dspark.mask_token_id, target, counts)
     aux = resolve_aux_layers(params.extract.aux_layers, target.num_layers)
     device = ranks.device if ranks else rank_device(t.device)
-    runs = build_runs(params, target, draft_ids, aux, mask_id, device)
+    start = starting_drafts(params, paths, target, set(eval_ids), aux, device)
+    runs, draft_ids, counts = start.runs, start.draft_ids, start.counts
     head = TargetHead(target.norm, target.lm_head, draft_ids).to(device)  # batches form there
     online = params.extract.mode == "online"
-
-    # Everything DVC would rerun this stage for: a checkpoint with another fingerprint is
-    # started over, never resumed.
-    hidden_manifest = paths.hidden / "manifest.json"
-    fp = fingerprint(
-        code_hash(),
-        params.target.model_dump(mode="json"),
-        # Results do not depend on the world size: a checkpoint resumes on any number of ranks.
-        params.train.model_dump(mode="json", exclude={"world_size"}),
-        params.extract.model_dump(mode="json"),
-        read_manifest(paths.target),
-        [s["sha256"] for s in tokens_doc["shards"]],
-        file_digest(hidden_manifest) if hidden_manifest.is_file() else None,
-    )
+    fp = run_fingerprint(params, paths, tokens_doc)
     trainer = Trainer(
         cfg=t,
         runs=runs,
@@ -330,7 +358,7 @@ def train_rank(
         "eval_samples": len(eval_ids),
         "draft_vocab_size": int(draft_ids.numel()),
         "draft_vocab_coverage": round(coverage, 4),
-        "mask_token_id": mask_id,
+        "mask_token_id": start.mask_id,
         **loop,
         **summarize(runs, trainer.tokens),
     }

@@ -170,27 +170,32 @@ class DraftRun:
         self.last_eval = self.measure(batches)
         return self.last_eval
 
-    @torch.no_grad()
     def measure(self, batches: list[Batch]) -> dict:
-        self.model.eval()
-        stats = AcceptanceStats(self.slots)
-        losses = []
-        for batch in batches:
-            out = self.eval_objective(self.model, batch, None)
-            stats.add(out["accept"], out["mask"], out.get("greedy_accept"))
-            losses.append(float(out["loss"]))
-        tau, greedy = stats.tau, stats.tau_greedy
-        result = {
-            # None when no held-out block is supervised in every slot (very short responses)
-            "tau_sim": None if math.isnan(tau) else round(tau, 4),
-            "pos_accept": stats.pos_accept,
-            "loss": round(sum(losses) / max(1, len(losses)), 5),
-            "blocks": stats.blocks,
-        }
-        if stats.measured_greedy:  # batches built by collate know the target's greedy tokens
-            result["tau_greedy"] = None if math.isnan(greedy) else round(greedy, 4)
-            result["pos_greedy"] = stats.pos_greedy
-        return result
+        return measure(self.model, self.eval_objective, self.slots, batches)
+
+
+@torch.no_grad()
+def measure(model: nn.Module, objective: Callable, slots: int, batches: list[Batch]) -> dict:
+    """Held-out acceptance of `model` (put in eval mode) under `objective`, over `slots`."""
+    model.eval()
+    stats = AcceptanceStats(slots)
+    losses = []
+    for batch in batches:
+        out = objective(model, batch, None)
+        stats.add(out["accept"], out["mask"], out.get("greedy_accept"))
+        losses.append(float(out["loss"]))
+    tau, greedy = stats.tau, stats.tau_greedy
+    result = {
+        # None when no held-out block is supervised in every slot (very short responses)
+        "tau_sim": None if math.isnan(tau) else round(tau, 4),
+        "pos_accept": stats.pos_accept,
+        "loss": round(sum(losses) / max(1, len(losses)), 5),
+        "blocks": stats.blocks,
+    }
+    if stats.measured_greedy:  # batches built by collate know the target's greedy tokens
+        result["tau_greedy"] = None if math.isnan(greedy) else round(greedy, 4)
+        result["pos_greedy"] = stats.pos_greedy
+    return result
 
 
 SourceFactory = Callable[[list[int]], AbstractContextManager[Source]]

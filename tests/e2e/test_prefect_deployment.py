@@ -141,7 +141,7 @@ def check_stage_outputs(repo, on_netns: bool) -> None:
     assert (repo / "plots" / "bench.png").is_file()
 
 
-def test_deployment_runs_the_chain_and_everything_agrees(repo, served):
+def test_deployment_runs_the_chain_and_everything_agrees(repo, served, tmp_path):
     why = on_netns_spec(repo)
     try:
         # The whole smoke chain: 8-11 min on a loaded 2-core machine.
@@ -158,6 +158,19 @@ def test_deployment_runs_the_chain_and_everything_agrees(repo, served):
     assert again.returncode == 0 and "Running stage" not in again.stdout, again.stdout
     shown = run([str(BIN / "dvc"), "metrics", "show", "--json"], repo, served)
     assert shown.returncode == 0 and "num_samples" in shown.stdout
+    # The held-out split decoded through the evaluation's engine, on the stages' own outputs.
+    out = tmp_path / "heldout_decode.json"
+    cmd = [str(BIN / "python"), "-m", "evals.heldout_decode", "--profile", "smoke", "--out"]
+    held = run([*cmd, str(out)], repo, served)
+    assert held.returncode == 0, held.stdout + held.stderr
+    decoded = json.loads(out.read_text())["drafts"]
+    assert set(decoded) == {"dspark", "eagle3", "dflash"}
+    assert all(d["all"]["trainer_tau_greedy"] is not None for d in decoded.values())
+    # ... and from the stage's last checkpoint, rebuilt as the stage builds its drafts: the
+    # finished run's checkpoint holds the weights its drafts folder does.
+    held = run([*cmd, str(tmp_path / "ckpt.json"), "--checkpoint"], repo, served)
+    assert held.returncode == 0, held.stdout + held.stderr
+    assert json.loads((tmp_path / "ckpt.json").read_text())["drafts"] == decoded
     summary = json.loads((repo / "metrics" / "run.json").read_text())
     assert summary["profile"] == "smoke" and set(summary["stages"]) == {s.name for s in STAGES}
     assert summary["total_cpu_s"] > 0  # every stage ran here, so every one recorded its CPU

@@ -1,0 +1,119 @@
+"""Every step of a whole decode drafts what the training forward drafts at that anchor.
+
+`test_spec_decode` checks the first block after the prefill. Here the drafts run through a
+decode with ragged acceptance: the verifier is handed a random prefix of the right continuation
+in front of the draft's own tokens, so each step accepts 0..k drafts and most tokens accepted
+past the first slot are not the ones the draft proposed. A proposer whose cache kept a rejected
+token's keys, dropped an accepted position's features or let a row see past its anchor drafts
+differently from the training forward on the final sequence at that step's anchor, which is
+what held-out acceptance measures. What this does not cover: the training data (the alignment
+tests) and float noise between a full forward's features and the decode's (a tolerance).
+"""
+
+import pytest
+import torch
+
+from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
+from dspark.decode.engine import SpecDecoder
+from dspark.decode.proposers import ALL, Proposal, Proposer
+from tests.unit.conftest import NEW
+from tests.unit.test_spec_decode import tiny_dflash, tiny_drafts
+
+TAPS = (0, 1)
+TIE = 1e-4  # logits this close to the maximum count as its argmax (float noise, not a bug)
+
+
+class Recorded(Proposer):
+    """`inner` as it is, keeping every step's anchors, active rows and proposal."""
+
+    def __init__(self, inner: Proposer):
+        self.inner = inner
+        self.name, self.k, self.taps, self.holding = inner.name, inner.k, inner.taps, inner.holding
+        self.steps: list[tuple[torch.Tensor, torch.Tensor, Proposal]] = []  # (n, active, own)
+
+    def start(self, batch, slots):
+        self.inner.start(batch, slots)
+
+    def extend(self, seq, start, count, feats, rows=ALL):
+        self.inner.extend(seq, start, count, feats, rows)
+
+    def propose(self, seq, n, active, sampling, gen, rows=ALL):
+        own = self.inner.propose(seq, n, active, sampling, gen, rows)
+        self.steps.append((n.clone(), active.clone(), own))
+        return own
+
+
+class Spliced(Recorded):
+    """`inner`'s drafts with a random prefix (0..k slots, per row and step) of the reference
+    continuation in front; `steps` keeps what `inner` itself proposed."""
+
+    def __init__(self, inner: Proposer, full: list[list[int]], seed: int = 0):
+        super().__init__(inner)
+        self.full = full
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, seq, n, active, sampling, gen, rows=ALL):
+        own = super().propose(seq, n, active, sampling, gen, rows)
+        right = torch.tensor(
+            [self.full[i][m + 1 : m + 1 + self.k] for i, m in enumerate(n.tolist())]
+        )
+        cut = torch.randint(0, self.k + 1, (len(n),), generator=self.gen)
+        front = torch.arange(self.k)[None, :] < cut[:, None]
+        return Proposal(torch.where(front, right, own.tokens), own.k_row, None, own.confidence)
+
+
+def draft(varied, kind):
+    (dspark, ids), (eagle, _) = tiny_drafts(varied)
+    if kind == "eagle3":
+        return Eagle3Proposer(eagle, ids), eagle, ids
+    if kind == "dflash":
+        model, ids = tiny_dflash(varied)
+        return DFlashProposer(model, ids), model, ids
+    proposer = DSparkProposer(dspark, ids, held=16)
+    proposer.holding = kind == "dspark_holding"  # `dspark_adaptive`'s deferred context writes
+    return proposer, dspark, ids
+
+
+def features(llama, ids: list[int]) -> torch.Tensor:
+    """A full forward's tapped features of `ids` -> [S, L*H]."""
+    cache = llama.new_cache(1, len(ids))
+    with torch.no_grad():
+        _, taps = llama(torch.tensor([ids]), torch.arange(len(ids))[None], cache, taps=TAPS)
+    return torch.cat([taps[i][0] for i in TAPS], -1)
+
+
+def trained_logits(kind, model, ids: list[int], aux: torch.Tensor, anchor: int):
+    """The training forward's block at `anchor` of `ids`, teacher-forced on `ids` -> [K, d]."""
+    seq = torch.tensor([ids])
+    feats = torch.cat((aux[:anchor], aux.new_zeros(len(ids) - anchor, aux.shape[1])))[None]
+    with torch.no_grad():
+        if kind == "eagle3":
+            return model.forward_ttt(seq, feats, torch.tensor([[anchor]]))[0]
+        logits, _ = model.forward_train(seq, feats, torch.tensor([[anchor]]))
+        return logits[0]
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dspark_holding", "dflash", "eagle3"])
+def test_every_step_drafts_what_training_drafts_at_its_anchor(
+    kind, llama, varied, prompts, reference
+):
+    inner, model, draft_ids = draft(varied, kind)
+    final = [p + r for p, r in zip(prompts, reference, strict=True)]
+    spliced = Spliced(inner, [f + [0] * (inner.k + 1) for f in final])
+    traces, _ = SpecDecoder(llama, spliced, varied.eos_token_id, 2048).generate(prompts, NEW)
+
+    assert [t.tokens for t in traces] == reference  # lossless whatever was spliced in
+    accepted = [a for t in traces for a in t.accepted]
+    assert 0 in accepted and inner.k in accepted and any(0 < a < inner.k for a in accepted)
+
+    aux = [features(llama, f) for f in final]
+    checked = 0
+    for n, active, own in spliced.steps:
+        for row in torch.nonzero(active).flatten().tolist():
+            anchor, drafted = int(n[row]), own.tokens[row]
+            ids = final[row][: anchor + 1] + drafted.tolist()
+            logits = trained_logits(kind, model, ids, aux[row], anchor)  # [K, d]
+            picked = logits.gather(1, torch.searchsorted(draft_ids, drafted)[:, None])[:, 0]
+            assert torch.all(picked >= logits.max(-1).values - TIE), (row, anchor, drafted)
+            checked += 1
+    assert checked == sum(len(t.accepted) for t in traces)
