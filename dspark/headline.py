@@ -123,6 +123,10 @@ def summary(docs: dict[str, dict], mlflow: str, profile: str, folder: str = "met
     if any(t is not None for t in greedy.values()):
         held = ", ".join(f"{d} {t:.3f}" for d, t in greedy.items() if t is not None)
         lines.append(f"  held-out greedy tau after training: {held}")
+    walked = {d: b.get("tau_decode") for d, b in train.items() if isinstance(b, dict)}
+    if any(t is not None for t in walked.values()):
+        held = ", ".join(f"{d} {t:.3f}" for d, t in walked.items() if t is not None)
+        lines.append(f"  held-out tau as greedy decoding walks it: {held}")
     lossless = ev.get("lossless")
     if isinstance(lossless, dict):
         lines.append(

@@ -64,8 +64,17 @@ def _train(root: Path) -> dict | None:
         "wall_s": round(state.get("loop_s", 0.0), 1),
         "tau_sim": {name: ev.get("tau_sim") for name, ev in last.items()},
     }
-    greedy = {name: ev["tau_greedy"] for name, ev in last.items() if "tau_greedy" in ev}
-    return {**out, "tau_greedy": greedy} if greedy else out  # (older checkpoints lack it)
+    return {**out, **_optional(last)}
+
+
+def _optional(drafts: dict[str, dict]) -> dict:
+    """The held-out figures older code did not record, where the drafts have them."""
+    out = {}
+    for key in ("tau_greedy", "tau_decode"):
+        found = {name: d[key] for name, d in drafts.items() if d.get(key) is not None}
+        if found:
+            out[key] = found
+    return out
 
 
 def _records(folder: Path, what: str) -> dict | None:
@@ -82,9 +91,8 @@ def _figures(stage: str, done: dict) -> dict:
     if stage == "train":
         drafts = {name: run for name, run in done.items() if isinstance(run, dict)}
         taus = {name: run["tau_sim"] for name, run in drafts.items() if "tau_sim" in run}
-        greedy = {name: run["tau_greedy"] for name, run in drafts.items() if "tau_greedy" in run}
         out = {"steps": done.get("steps"), "tokens": done.get("tokens"), "tau_sim": taus}
-        return {**out, "tau_greedy": greedy} if greedy else out
+        return {**out, **_optional(drafts)}
     if stage == "evaluate":
         return {"mean_tau": done.get("mean")}
     if stage == "benchmark":

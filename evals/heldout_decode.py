@@ -10,9 +10,11 @@ extract stage's hidden shards, and each trained draft in artifacts/drafts, or wi
 `--checkpoint` the drafts at the stage's last checkpoint (a run part-way: rebuilt as the stage
 builds them, refused if the checkpoint is another configuration's).
 
-- trainer: `tau_greedy` as train.json reports it. Every response position is an anchor (where a
-  whole block is supervised), each slot is given the sample's tokens before it, and a block
-  counts up to its first slot whose argmax is not the target's greedy token.
+- trainer: `tau_greedy` and `tau_decode` as train.json reports them. Every response position is
+  an anchor, each slot is given the sample's tokens before it, and a block counts up to its
+  first slot whose argmax is not the target's greedy token; tau_greedy averages that over the
+  anchors (where a whole block is supervised), tau_decode walks the anchors as greedy decoding
+  steps (AcceptanceStats.tau_decode), over the whole answer.
 - decode: the samples are the target's greedy answers (on-policy extraction with greedy
   sampling), so a sample's tokens are the greedy path and its shard holds the target's features
   along it. A `Playback` of them stands in for the target (`dspark.decode.replay`) and
@@ -174,6 +176,7 @@ def compare(
         summary = tally.summary()
         out[group] = {
             "trainer_tau_greedy": trained.get("tau_greedy"),
+            "trainer_tau_decode": trained.get("tau_decode"),
             "trainer_tau_sim": trained["tau_sim"],
             "trainer_slot0_greedy": (trained.get("pos_greedy") or [None])[0],
             "greedy_path": trained["greedy_path"],
@@ -214,7 +217,7 @@ def run(args: argparse.Namespace) -> None:
     held = held[: args.samples]
     shards = HiddenShards(root / HIDDEN)
     layers = list(shards.manifest["aux_layers"])
-    samples = shards.read(held)
+    samples = list(shards.read(held))
     groups: dict[str, list[Sample]] = {"all": samples}
     sources = manifest.get("validation_sources")
     if sources and len(set(sources)) > 1:  # each source apart too, as train.json's by_source
@@ -227,8 +230,8 @@ def run(args: argparse.Namespace) -> None:
     else:
         drafts, where = trained_drafts(root, names, target)
     print(f"{len(samples)} held-out samples; drafts: {where}")
-    columns = ("draft", "samples", "on greedy path", "trainer tau_greedy", "decode tau [95%]")
-    print("| " + " | ".join((*columns, "trainer slot 0", "decode slot 0")) + " |")
+    columns = ("draft", "samples", "on greedy path", "trainer tau_greedy", "trainer tau_decode")
+    print("| " + " | ".join((*columns, "decode tau [95%]", "slot 0: trainer, decode")) + " |")
     print("|---" * 7 + "|")
     doc: dict[str, dict] = {}
     for name, (model, draft_ids) in drafts.items():
@@ -237,8 +240,8 @@ def run(args: argparse.Namespace) -> None:
             lo, hi = f["decode_tau_ci95"] or (None, None)
             print(
                 f"| {name} | {group} ({f['samples']}) | {f['greedy_path']} | "
-                f"{f['trainer_tau_greedy']} | "
-                f"{f['decode_tau']} [{lo}, {hi}] | {f['trainer_slot0_greedy']} | "
+                f"{f['trainer_tau_greedy']} | {f.get('trainer_tau_decode')} | "
+                f"{f['decode_tau']} [{lo}, {hi}] | {f['trainer_slot0_greedy']}, "
                 f"{f['decode_slot0']} |",
                 flush=True,
             )

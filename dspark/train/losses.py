@@ -136,6 +136,8 @@ class AcceptanceStats:
     greedy_count: torch.Tensor | None = None  # [K] the supervised slots greedy was measured on
     greedy_tau_sum: float = 0.0
     greedy_blocks: int = 0
+    decode_emitted: int = 0  # greedy decoding walked over the anchors (`add(..., at=)`)
+    decode_steps: int = 0
 
     def __post_init__(self) -> None:
         self.accept_sum = torch.zeros(self.k, dtype=torch.float64)
@@ -144,7 +146,11 @@ class AcceptanceStats:
         self.greedy_count = torch.zeros(self.k, dtype=torch.float64)
 
     def add(
-        self, accept: torch.Tensor, mask: torch.Tensor, greedy: torch.Tensor | None = None
+        self,
+        accept: torch.Tensor,
+        mask: torch.Tensor,
+        greedy: torch.Tensor | None = None,
+        at: torch.Tensor | None = None,  # [N, 2] each block's (row, anchor position)
     ) -> None:
         accept, mask = accept.detach().double().cpu(), mask.detach().cpu()
         self.accept_sum += (accept * mask).sum(0)
@@ -160,6 +166,25 @@ class AcceptanceStats:
             if full.any():
                 self.greedy_tau_sum += float(tau_sim(greedy[full]).sum())
                 self.greedy_blocks += int(full.sum())
+            if at is not None:
+                self._walk(greedy, mask, at.cpu())
+
+    def _walk(self, greedy: torch.Tensor, mask: torch.Tensor, at: torch.Tensor) -> None:
+        """Each row decoded greedily over its anchors: from the first, a step at anchor p
+        accepts the slots before its first miss and emits them and the target's own token, so
+        the next step's anchor is p + run + 1. With every response position an anchor (the
+        held-out evaluation) these are exactly the steps greedy decoding takes along the data,
+        when the data is the target's greedy answer (see tau_greedy); a walk that reaches a
+        position that is not an anchor (the answer's end) stops there."""
+        run = (greedy * mask).cumprod(-1).sum(-1).long()  # [N] slots accepted in a row
+        for row in at[:, 0].unique().tolist():
+            mine = at[:, 0] == row
+            runs = dict(zip(at[mine, 1].tolist(), run[mine].tolist(), strict=True))
+            p = min(runs)
+            while p in runs:
+                self.decode_emitted += runs[p] + 1
+                self.decode_steps += 1
+                p += runs[p] + 1
 
     @property
     def pos_accept(self) -> list[float]:
@@ -188,6 +213,14 @@ class AcceptanceStats:
         target's own greedy answer (prepare with greedy sampling and regenerate_fraction 1, as
         the default and full profiles are); on other answers it is an estimate."""
         return self.greedy_tau_sum / self.greedy_blocks if self.greedy_blocks else math.nan
+
+    @property
+    def tau_decode(self) -> float:
+        """Greedy decoding's tau, tokens per verify step, over the walked rows (`_walk`).
+        tau_greedy weighs every anchor alike and decoding every step alike: it crosses an easy
+        stretch in a few long steps and spends a step on every token of a hard one, so where
+        acceptance comes in stretches this is the lower."""
+        return self.decode_emitted / self.decode_steps if self.decode_steps else math.nan
 
 
 def tau_sim(accept: torch.Tensor) -> torch.Tensor:

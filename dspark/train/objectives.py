@@ -88,6 +88,20 @@ def gather_slots(batch: Batch, anchors: torch.Tensor, ok: torch.Tensor, k: int) 
     return Slots(batch.p_target[rows, pos][ok], ids, batch.labels[rows, pos][ok], valid[ok], greedy)
 
 
+def anchor_rows(anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """[N, 2] (row, position) of the valid anchors, in the order their blocks are flattened."""
+    rows = torch.arange(anchors.shape[0], device=anchors.device)[:, None].expand_as(anchors)
+    return torch.stack((rows[ok], anchors[ok]), -1)
+
+
+def measured(out: dict, model: torch.nn.Module, max_anchors: int | None, anchors, ok) -> dict:
+    """In eval mode with every candidate an anchor, where each block sits: greedy decoding
+    can then be walked over them (AcceptanceStats.tau_decode)."""
+    if not model.training and max_anchors is None:
+        out["at"] = anchor_rows(anchors, ok)
+    return out
+
+
 Total = Callable[[torch.Tensor], torch.Tensor]  # sums over the data-parallel ranks
 
 
@@ -101,7 +115,7 @@ class DSparkObjective:
         anchors, ok = pick_anchors(anchor_candidates(batch), self.max_anchors, gen)
         logits, conf = model.forward_train(batch.input_ids, batch.aux, anchors, ok)
         t = gather_slots(batch, anchors, ok, model.cfg.block_size)
-        return slot_losses(
+        out = slot_losses(
             logits,
             t.p_target,
             t.labels,
@@ -112,6 +126,7 @@ class DSparkObjective:
             p_ids=t.p_ids,
             greedy=None if model.training else t.greedy,  # measured, never trained on
         )
+        return measured(out, model, self.max_anchors, anchors, ok)
 
     def skip(self, gen: torch.Generator, candidates: list[int]) -> None:
         skip_draws(gen, candidates, self.max_anchors)
@@ -127,7 +142,7 @@ class Eagle3Objective:
         chains, ok = pick_anchors(anchor_candidates(batch), self.max_anchors, gen)
         logits = model.forward_ttt(batch.input_ids, batch.aux, chains, ok)  # [N, K, d]
         t = gather_slots(batch, chains, ok, model.cfg.ttt_steps)
-        return slot_losses(
+        out = slot_losses(
             logits,
             t.p_target,
             t.labels,
@@ -137,6 +152,7 @@ class Eagle3Objective:
             p_ids=t.p_ids,
             greedy=None if model.training else t.greedy,
         )
+        return measured(out, model, self.max_anchors, chains, ok)
 
     def skip(self, gen: torch.Generator, candidates: list[int]) -> None:
         skip_draws(gen, candidates, self.max_anchors)

@@ -385,6 +385,7 @@ def summarize(runs: list[DraftRun], tokens: int) -> dict:
             "pos_accept": run.last_eval.get("pos_accept"),
             "tau_greedy": run.last_eval.get("tau_greedy"),
             "pos_greedy": run.last_eval.get("pos_greedy"),
+            "tau_decode": run.last_eval.get("tau_decode"),
             "final_loss": run.last_eval.get("loss"),
             "tokens_per_s": round(tokens / run.wall_s, 1) if run.wall_s else None,
             "wall_s": round(run.wall_s, 2),
@@ -392,7 +393,7 @@ def summarize(runs: list[DraftRun], tokens: int) -> dict:
             "curve": run.curve,
         }
         if run.by_source:  # data.val_sources: the held-out figures of each source
-            keys = ("tau_sim", "pos_accept", "tau_greedy", "pos_greedy")
+            keys = ("tau_sim", "pos_accept", "tau_greedy", "pos_greedy", "tau_decode")
             entry["by_source"] = {
                 name: {k: r.get(k) for k in keys} for name, r in run.by_source.items()
             }

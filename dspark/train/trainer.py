@@ -182,7 +182,7 @@ def measure(model: nn.Module, objective: Callable, slots: int, batches: list[Bat
     losses = []
     for batch in batches:
         out = objective(model, batch, None)
-        stats.add(out["accept"], out["mask"], out.get("greedy_accept"))
+        stats.add(out["accept"], out["mask"], out.get("greedy_accept"), out.get("at"))
         losses.append(float(out["loss"]))
     tau, greedy = stats.tau, stats.tau_greedy
     result = {
@@ -195,6 +195,8 @@ def measure(model: nn.Module, objective: Callable, slots: int, batches: list[Bat
     if stats.measured_greedy:  # batches built by collate know the target's greedy tokens
         result["tau_greedy"] = None if math.isnan(greedy) else round(greedy, 4)
         result["pos_greedy"] = stats.pos_greedy
+    if stats.decode_steps:  # every candidate an anchor: greedy decoding walked over them
+        result["tau_decode"] = round(stats.tau_decode, 4)
     return result
 
 
@@ -384,10 +386,12 @@ class Trainer:
                 run.by_source[name] = part = run.measure(group)
                 logged[f"{run.name}/eval_tau_sim/{name}"] = part["tau_sim"]
                 logged[f"{run.name}/eval_tau_greedy/{name}"] = part.get("tau_greedy")
+                logged[f"{run.name}/eval_tau_decode/{name}"] = part.get("tau_decode")
             greedy = result.get("tau_greedy")
             run.curve.append([round(run.wall_s, 3), self.tokens, result["tau_sim"], greedy])
             logged[f"{run.name}/eval_tau_sim"] = result["tau_sim"]
             logged[f"{run.name}/eval_tau_greedy"] = greedy
+            logged[f"{run.name}/eval_tau_decode"] = result.get("tau_decode")
             logged[f"{run.name}/eval_loss"] = result["loss"]
             # Beside it in the draft's run, so a chart can put held-out tau_sim against the
             # tokens trained on and the draft's own training seconds, not only the step.

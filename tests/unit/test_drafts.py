@@ -195,6 +195,36 @@ def test_greedy_acceptance_is_argmax_agreement_and_its_tau_runs_until_the_first_
     assert not unknown.measured_greedy and math.isnan(unknown.tau_greedy)
 
 
+def test_tau_decode_walks_the_anchors_as_greedy_decoding_steps():
+    """A step at anchor p emits its run of accepted slots and the target's own token, so the
+    next anchor is p + run + 1. Row 0 is an easy stretch then a hard one: decoding crosses the
+    first in two long steps and spends a step on every token of the second, so tau_decode is
+    below the mean over anchors (tau_greedy), which weighs every position alike."""
+    k = 3
+    runs0 = {p: 3 if p < 6 else 0 for p in range(12)}  # accepted slots at each anchor
+    runs1 = {2: 0, 3: 3, 4: 0, 5: 0, 6: 0}  # 2 -> 3 -> 7, which is no anchor: the end
+    at = torch.tensor([(0, p) for p in runs0] + [(1, p) for p in runs1])
+    runs = [*runs0.values(), *runs1.values()]
+    greedy = torch.tensor([[1.0] * r + [0.0] * (k - r) for r in runs])
+    mask = torch.ones(len(runs), k, dtype=torch.bool)
+    stats = AcceptanceStats(k)
+    stats.add(greedy, mask, greedy, at)
+    # row 0: 0 (emits 4) -> 4 (4) -> 8, 9, 10, 11 (1 each) -> 12 stops; row 1: 2 (1) -> 3 (4)
+    assert (stats.decode_emitted, stats.decode_steps) == (12 + 5, 6 + 2)
+    assert stats.tau_decode == pytest.approx(17 / 8)
+    assert stats.tau_greedy == pytest.approx(sum(1 + r for r in runs) / len(runs))
+    assert stats.tau_decode < stats.tau_greedy
+    # An unsupervised slot ends a run as a miss does (the answer ends there).
+    cut = mask.clone()
+    cut[0, 1:] = False
+    short = AcceptanceStats(k)
+    short.add(greedy, cut, greedy, at)
+    assert short.decode_steps == stats.decode_steps + 2  # row 0: 0 (emits 2) -> 2 (4) -> 6, 7..
+    plain = AcceptanceStats(k)
+    plain.add(greedy, mask, greedy)  # no anchor positions (sampled anchors): no walk
+    assert math.isnan(plain.tau_decode)
+
+
 def test_slots_after_an_unsupervised_one_are_not_supervised():
     valid = torch.tensor([[True, True, False, True], [True, True, True, True]])
     assert supervised_prefix(valid).tolist() == [

@@ -77,8 +77,10 @@ def test_the_trainer_side_is_the_train_stages_measure(samples, varied):
     good = trainer_measure(TargetAsDraft(varied), every, samples, varied, batch_size=2)
     assert good["greedy_path"] == 1.0  # the samples are the target's greedy answers
     assert good["tau_greedy"] == pytest.approx(TargetAsDraft(varied).cfg.block_size + 1)
+    # walked as decoding steps: k + 1 a step but where the answer's end cuts a run short
+    assert 4.0 < good["tau_decode"] <= TargetAsDraft(varied).cfg.block_size + 1
     off = trainer_measure(TargetAsDraft(varied, shift=1), every, samples, varied, batch_size=2)
-    assert off["tau_greedy"] < 1.5
+    assert off["tau_greedy"] < 1.5 and off["tau_decode"] < 1.5
 
 
 def test_a_workspace_without_outputs_is_one_line(tmp_path, capsys):

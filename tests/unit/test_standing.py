@@ -92,13 +92,16 @@ def test_a_finished_stage_shows_its_headline_figures(tmp_path):
     assert got["benchmark"]["speedup_c1"] == {"none": 1.0, "dspark_adaptive": 1.2}
 
 
-def test_greedy_tau_is_shown_where_the_run_measured_it(tmp_path):
+def test_greedy_and_decoded_tau_are_shown_where_the_run_measured_them(tmp_path):
     state = {"step": 40, "epoch": 2, "tokens": 900, "loop_s": 1.0,
-             "runs": {"dspark": {"last_eval": {"tau_sim": 1.5, "tau_greedy": 1.4}},
+             "runs": {"dspark": {"last_eval": {"tau_sim": 1.5, "tau_greedy": 1.4,
+                                               "tau_decode": 1.3}},
                       "eagle3": {"last_eval": {"tau_sim": 1.6}}}}  # fmt: skip
     put(tmp_path / "artifacts/checkpoints/train/state.json", state)
-    assert standing(tmp_path, "full")["train"]["tau_greedy"] == {"dspark": 1.4}
+    got = standing(tmp_path, "full")["train"]
+    assert got["tau_greedy"] == {"dspark": 1.4} and got["tau_decode"] == {"dspark": 1.3}
     train = {"profile": "full", "steps": 80, "dspark": {"tau_sim": 1.31, "tau_greedy": 1.25}}
     put(tmp_path / "metrics/train.json", train)
     put(tmp_path / "artifacts/checkpoints/train/state.json", {**state, "step": 80})
-    assert standing(tmp_path, "full")["train"]["tau_greedy"] == {"dspark": 1.25}
+    got = standing(tmp_path, "full")["train"]
+    assert got["tau_greedy"] == {"dspark": 1.25} and "tau_decode" not in got  # older code
