@@ -3,14 +3,16 @@
     python -m flows.sweep --name recipe --stage train \\
         --point 'train.dspark.max_anchors=512' \\
         --point 'train.dspark.max_anchors=32 train.batch_size=8' \\
-        [--set train.epochs=3] [--metric dspark.tau_sim] [--column eagle3.tau_sim] [--first N]
+        [--set train.epochs=3] [--metric dspark.tau_decode] [--column eagle3.tau_decode] [--first N]
 
 Each point is a DVC experiment (`dvc exp run STAGE -S ...`, named `<name>-<i>`; `dvc exp show`
 lists them with their params and metrics) and an MLflow run, a child of the sweep's parent run,
 with the point's settings as params and every number of the stage's metrics file. `--set`
-applies to every point. The train stage's metric is tau_sim on its held-out samples, drawn from
-the training data, which the prepare stage keeps disjoint from the evaluation prompts: a sweep
-never sees them.
+applies to every point. The train stage's metric is tau_decode on its held-out samples (tokens per
+verify step, walked as greedy decoding walks them), drawn from the training data, which the
+prepare stage keeps disjoint from the evaluation prompts: a sweep never sees them. Sweeps before
+2026-12-05 ranked by tau_sim, a per-position mean that overstates what decoding gets wherever
+acceptance comes in stretches.
 
 `dvc exp run -S` writes into params.yaml, so the file is restored after every point and points
 never accumulate. The table, one row per point ranked by `--metric`, goes to
@@ -38,6 +40,8 @@ from tasks.stage import dvc
 from tasks.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[1]
+# The held-out figure that counts acceptance as the evaluation does (see the docstring).
+DEFAULT_METRIC = "dspark.tau_decode"
 
 
 def parse_point(text: str) -> dict[str, object]:
@@ -109,7 +113,7 @@ def sweep(
     points: list[dict[str, object]],
     stage: str = "train",
     fixed: dict[str, object] | None = None,
-    metric: str = "dspark.tau_sim",
+    metric: str = DEFAULT_METRIC,
     root: str = str(ROOT),
     first: int = 0,
     columns: tuple[str, ...] = (),
@@ -198,13 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", default="train")
     ap.add_argument("--point", action="append", required=True, help="'KEY=VALUE KEY=VALUE ...'")
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every point")
-    ap.add_argument("--metric", default="dspark.tau_sim", help="dotted key of the metrics file")
+    ap.add_argument("--metric", default=DEFAULT_METRIC, help="dotted key of the metrics file")
     ap.add_argument("--first", type=int, default=0, help="number the points from here")
     ap.add_argument(
         "--column",
         action="append",
         default=[],
-        help="another dotted key of the metrics file to tabulate (e.g. eagle3.tau_sim)",
+        help="another dotted key of the metrics file to tabulate (e.g. eagle3.tau_decode)",
     )
     args = ap.parse_args(argv)
     try:

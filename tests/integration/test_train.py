@@ -27,6 +27,7 @@ from dspark.train.objectives import DSparkObjective
 from dspark.train.sources import Source
 from dspark.train.stage import build_runs, summarize, write_curves
 from dspark.train.trainer import DraftRun, Trainer
+from flows.sweep import DEFAULT_METRIC, _dig
 
 from ..unit.test_drafts import SHAPE
 
@@ -540,3 +541,5 @@ def test_the_last_evaluation_is_also_measured_per_validation_source(
     # every held-out point: [wall_s, tokens, tau_sim, tau_greedy]
     assert [len(point) for point in dspark["curve"]] == [4] * len(dspark["curve"])
     assert dspark["curve"][-1][2:] == [dspark["tau_sim"], dspark["tau_greedy"]]
+    # the sweep's default ranking key is one this file carries, with a value
+    assert 1.0 <= _dig(figures, DEFAULT_METRIC) <= 1 + params.train.dspark.block_size
