@@ -224,15 +224,19 @@ class Eagle3Proposer(DraftProposer):
             qs.append(_full_vocab(probs, self.draft_ids, m.cfg.vocab_size))
             if j == self.k - 1:
                 break
-            at = n + j + 1  # [B] where this draft token sits
+            # Where this draft token sits. A finished row's last step may have run up to k
+            # tokens past its budget, and the cache has room for one block past it, not two:
+            # its drafts (never verified) sit at 0 and go to the scratch slot.
+            at = torch.where(active, n + j + 1, 0)  # [B]
             x = layer.attn_input(m.embed(token), hidden)[:, None]  # [B, 1, 2H]
             cos, sin = self._rope(at[:, None])
             k, v = layer.self_attn.project_kv(x, cos, sin)  # [B, nkv, 1, d]
             # Into the cache past the row's last token, as the target's drafts go into its
             # own: nothing reads there until `extend` writes the accepted tokens' keys over
             # them, and no copy of the context's keys is made per step.
-            cache_k[idx, :, at] = k[:, :, 0]
-            cache_v[idx, :, at] = v[:, :, 0]
+            write = torch.where(active, at, self.scratch)
+            cache_k[idx, :, write] = k[:, :, 0]
+            cache_v[idx, :, write] = v[:, :, 0]
             span = int(at.max()) + 1
             mask = (torch.arange(span)[None, :] <= at[:, None])[:, None]  # [B, 1, span]
             out = layer.self_attn(x, cos, sin, cache_k[:, :, :span], cache_v[:, :, :span], mask)

@@ -47,27 +47,34 @@ class Spliced(Recorded):
     """`inner`'s drafts with a random prefix (0..k slots, per row and step) of the reference
     continuation in front; `steps` keeps what `inner` itself proposed."""
 
-    def __init__(self, inner: Proposer, full: list[list[int]], seed: int = 0):
+    def __init__(
+        self, inner: Proposer, full: list[list[int]], seed: int = 0, cuts: list[int] | None = None
+    ):
         super().__init__(inner)
         self.full = full
         self.gen = torch.Generator().manual_seed(seed)
+        self.cuts = None if cuts is None else torch.tensor(cuts)  # a fixed prefix per row
 
     def propose(self, seq, n, active, sampling, gen, rows=ALL):
         own = super().propose(seq, n, active, sampling, gen, rows)
         right = torch.tensor(
             [self.full[i][m + 1 : m + 1 + self.k] for i, m in enumerate(n.tolist())]
         )
-        cut = torch.randint(0, self.k + 1, (len(n),), generator=self.gen)
+        cut = (
+            self.cuts
+            if self.cuts is not None
+            else torch.randint(0, self.k + 1, (len(n),), generator=self.gen)
+        )
         front = torch.arange(self.k)[None, :] < cut[:, None]
         return Proposal(torch.where(front, right, own.tokens), own.k_row, None, own.confidence)
 
 
-def draft(varied, kind):
-    (dspark, ids), (eagle, _) = tiny_drafts(varied)
+def draft(varied, kind, block=4):
+    (dspark, ids), (eagle, _) = tiny_drafts(varied, block)
     if kind == "eagle3":
         return Eagle3Proposer(eagle, ids), eagle, ids
     if kind == "dflash":
-        model, ids = tiny_dflash(varied)
+        model, ids = tiny_dflash(varied, block)
         return DFlashProposer(model, ids), model, ids
     proposer = DSparkProposer(dspark, ids, held=16)
     proposer.holding = kind == "dspark_holding"  # `dspark_adaptive`'s deferred context writes
@@ -117,3 +124,27 @@ def test_every_step_drafts_what_training_drafts_at_its_anchor(
             assert torch.all(picked >= logits.max(-1).values - TIE), (row, anchor, drafted)
             checked += 1
     assert checked == sum(len(t.accepted) for t in traces)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dspark_holding", "dflash", "eagle3"])
+def test_a_row_that_ends_on_a_whole_block_leaves_the_others_decoding(
+    kind, llama, varied, prompts, reference
+):
+    """The longest prompt's row accepts every draft, so its last step ends k tokens past its
+    budget while the other rows decode on. The drafter must keep the finished row's drafts
+    inside its cache (EAGLE-3 wrote them up to 2k past the budget, one block more than the
+    cache holds: run 5's evaluation, 2026-12-05)."""
+    inner, _, _ = draft(varied, kind, block=6)
+    k = inner.k
+    budget = 2 * k + 4  # the first token, then three whole blocks of k + 1: k past the budget
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    assert all(len(r) >= budget for r in reference)
+    final = [p + r for p, r in zip(prompts, reference, strict=True)]
+    cuts = [k if i == longest else 0 for i in range(len(prompts))]
+    spliced = Spliced(inner, [f + [0] * (k + 1) for f in final], cuts=cuts)
+    traces, _ = SpecDecoder(llama, spliced, varied.eos_token_id, 2048).generate(prompts, budget)
+
+    assert [t.tokens for t in traces] == [r[:budget] for r in reference]
+    assert traces[longest].accepted == [k, k, k]
+    others = [t for i, t in enumerate(traces) if i != longest]
+    assert all(len(t.accepted) > 3 for t in others)  # still decoding after it ended
