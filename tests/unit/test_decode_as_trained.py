@@ -44,8 +44,9 @@ class Recorded(Proposer):
 
 
 class Spliced(Recorded):
-    """`inner`'s drafts with a random prefix (0..k slots, per row and step) of the reference
-    continuation in front; `steps` keeps what `inner` itself proposed."""
+    """`inner`'s drafts with a prefix of the reference continuation in front: random (0..k
+    slots, per row and step), or `cuts`' fixed length per row; `steps` keeps what `inner`
+    itself proposed."""
 
     def __init__(
         self, inner: Proposer, full: list[list[int]], seed: int = 0, cuts: list[int] | None = None
