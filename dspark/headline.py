@@ -26,6 +26,11 @@ from pathlib import Path
 
 FILES = {"train": "train.json", "eval": "eval.json", "bench": "bench.json", "run": "run.json"}
 BASELINE_MODE = "none"  # the plain target: tau and speedup 1 by definition, so not headlines
+HELD_OUT = (  # train.json's per-draft held-out figures, each a summary line where present
+    ("tau_sim", "held-out tau_sim after training"),
+    ("tau_greedy", "held-out greedy tau after training"),
+    ("tau_decode", "held-out tau as greedy decoding walks it"),
+)
 
 
 def read_docs(folder: Path, profile: str | None = None) -> dict[str, dict]:
@@ -115,18 +120,11 @@ def summary(docs: dict[str, dict], mlflow: str, profile: str, folder: str = "met
             for name, p in ev["pairs"].items()
         )
         lines.append(f"  tau ratios, same prompts: {pairs}")
-    sims = {d: b["tau_sim"] for d, b in train.items() if isinstance(b, dict) and "tau_sim" in b}
-    if sims:
-        held = ", ".join(f"{d} {t:.3f}" for d, t in sims.items() if t is not None)
-        lines.append(f"  held-out tau_sim after training: {held}")
-    greedy = {d: b.get("tau_greedy") for d, b in train.items() if isinstance(b, dict)}
-    if any(t is not None for t in greedy.values()):
-        held = ", ".join(f"{d} {t:.3f}" for d, t in greedy.items() if t is not None)
-        lines.append(f"  held-out greedy tau after training: {held}")
-    walked = {d: b.get("tau_decode") for d, b in train.items() if isinstance(b, dict)}
-    if any(t is not None for t in walked.values()):
-        held = ", ".join(f"{d} {t:.3f}" for d, t in walked.items() if t is not None)
-        lines.append(f"  held-out tau as greedy decoding walks it: {held}")
+    drafts = {d: b for d, b in train.items() if isinstance(b, dict)}
+    for key, label in HELD_OUT:
+        held = ", ".join(f"{d} {b[key]:.3f}" for d, b in drafts.items() if b.get(key) is not None)
+        if held:  # (older runs lack the later figures)
+            lines.append(f"  {label}: {held}")
     lossless = ev.get("lossless")
     if isinstance(lossless, dict):
         lines.append(
