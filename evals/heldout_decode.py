@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -199,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint", action="store_true", help="the drafts at the train stage's last checkpoint"
     )
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+    return one_line_errors(run, ap.parse_args(argv))
+
+
+def one_line_errors(run: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> int:
+    """A tool's run: a bad input is one line on stderr and exit code 2."""
     try:
         run(args)
     except DsparkError as e:
@@ -208,16 +213,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def validation_samples(root: Path, params, count: int | None) -> tuple[list[Sample], list[int]]:
+    """The first `count` samples of the train stage's validation split (`train.eval_samples`,
+    the lowest sample ids) from the extract stage's hidden shards, and the shards' aux layers."""
+    manifest = read_token_manifest(root / SHARDS)
+    _, held = split_eval(list(range(manifest["num_samples"])), params.train.eval_samples)
+    shards = HiddenShards(root / HIDDEN)
+    return list(shards.read(held[:count])), list(shards.manifest["aux_layers"])
+
+
 def run(args: argparse.Namespace) -> None:
     root = args.root
     params = load_params(root / "params.yaml", args.profile)
     target = load_target_for(params.target, root / TARGET_DIR)
+    samples, layers = validation_samples(root, params, args.samples)
     manifest = read_token_manifest(root / SHARDS)
-    _, held = split_eval(list(range(manifest["num_samples"])), params.train.eval_samples)
-    held = held[: args.samples]
-    shards = HiddenShards(root / HIDDEN)
-    layers = list(shards.manifest["aux_layers"])
-    samples = list(shards.read(held))
     groups: dict[str, list[Sample]] = {"all": samples}
     sources = manifest.get("validation_sources")
     if sources and len(set(sources)) > 1:  # each source apart too, as train.json's by_source

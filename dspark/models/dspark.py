@@ -88,6 +88,13 @@ class BlockAttention(nn.Module):
         v = self.v_proj(x).view(b, m, s.num_kv_heads, s.head_dim).transpose(1, 2)
         return apply_rope(k, *rope), v
 
+    def queries(self, x: torch.Tensor, rope_q: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, Q, H] normed block states -> q [B, nh, Q, d], normed and rotated."""
+        s = self.s
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, s.num_heads, s.head_dim)).transpose(1, 2)
+        return apply_rope(q, *rope_q)
+
     def forward(
         self,
         x: torch.Tensor,  # [B, Q, H] normed block states
@@ -96,13 +103,23 @@ class BlockAttention(nn.Module):
         rope_q: tuple[torch.Tensor, torch.Tensor],  # [B, Q, d] at the block positions
         mask: torch.Tensor,  # [B, Q, S+Q] bool: context then block
     ) -> torch.Tensor:
-        s = self.s
-        b, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, q_len, s.num_heads, s.head_dim)).transpose(1, 2)
-        q = apply_rope(q, *rope_q)
         k, v = self.context_kv(x, rope_q)
         k, v = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
-        return self.o_proj(gqa_attention(q, k, v, mask))
+        return self.o_proj(gqa_attention(self.queries(x, rope_q), k, v, mask))
+
+    def probs(
+        self,
+        x: torch.Tensor,
+        ctx_k: torch.Tensor,
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """forward's attention weights, for inspection: [B, nh, Q, S+Q] (context then block)."""
+        q = self.queries(x, rope_q)
+        k = torch.cat((ctx_k, self.context_kv(x, rope_q)[0]), dim=2)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # head h reads kv head h // g
+        scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        return scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
 
 
 class MarkovHead(nn.Module):
@@ -241,8 +258,10 @@ class DSparkDraft(nn.Module):
         anchor_ids: torch.Tensor,  # [B, A] the anchor tokens
         anchors: torch.Tensor,  # [B, A] their positions
         ctx_len: torch.Tensor | None = None,  # [B] context length per row (default: all of S)
+        attention: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """-> normed hidden states [B, A, K, H] for every slot of every block."""
+        """-> normed hidden states [B, A, K, H] for every slot of every block. A list passed as
+        `attention` gets each layer's attention weights [B, nh, A*K, S+A*K] (inspection)."""
         b, s, _ = ctx.shape
         a = anchors.shape[1]
         k = self.cfg.block_size
@@ -259,6 +278,9 @@ class DSparkDraft(nn.Module):
         mask = block_mask(anchors, k, s, ctx_len)
         for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, rope_ctx)
+            if attention is not None:
+                normed = layer.input_layernorm(x)
+                attention.append(layer.self_attn.probs(normed, ctx_k, rope_q, mask))
             x = layer(x, ctx_k, ctx_v, rope_q, mask)
         return self.norm(x).view(b, a, k, -1)
 

@@ -1,0 +1,121 @@
+"""Where a block draft's slots look: each layer's attention mass, per slot, over the context
+positions just before the block's anchor p and over the block itself.
+
+    python -m evals.slot_attention [--root .] [--drafts dspark dflash] [--samples 16]
+
+Slot 0 holds the anchor token x_p and drafts x_{p+1}. EAGLE-3 drafts that token from x_p and
+the target's feature of position p-1 carried in its residual stream; a block draft can reach
+that feature only through attention. This measures how much it does: over the validation split
+(`train.eval_samples`, the lowest sample ids) of the extract stage's hidden shards, every
+response position p >= 9 is an anchor (up to `--anchors` a sample), and each slot's attention
+weights, averaged over heads, fall into buckets p-1, p-2, p-3, p-8..p-4, earlier context and
+its own block. `best head at p-1` is the largest single head's weight at p-1, averaged over
+anchors. Writes metrics/slot_attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from dspark.config import load_params
+from dspark.drafts import load_draft
+from dspark.errors import DataError
+from dspark.metrics import write_metrics
+from dspark.models.dspark import DSparkDraft
+from dspark.models.target import load_target_for
+from dspark.schema import Sample
+from dspark.stages import DRAFTS, TARGET_DIR
+from evals.heldout_decode import one_line_errors, validation_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+BUCKETS = ("p-1", "p-2", "p-3", "p-8..p-4", "earlier", "own block")
+FIRST_ANCHOR = 9  # every bucket exists from here on
+
+
+@torch.no_grad()
+def slot_attention(model: DSparkDraft, samples: list[Sample], anchors_per_sample: int) -> dict:
+    """-> {"anchors": n, "layers": [{"mass": [K][buckets], "best_head_p1": [K]}, ...]}."""
+    k, n_layers = model.cfg.block_size, model.cfg.num_layers
+    mass = torch.zeros(n_layers, k, len(BUCKETS), dtype=torch.float64)
+    best = torch.zeros(n_layers, k, dtype=torch.float64)
+    count = 0
+    for x in samples:
+        ids = x.input_ids.long()
+        s = ids.shape[0]
+        start = max(int(x.loss_mask.int().argmax()), FIRST_ANCHOR)
+        anchors = torch.arange(start, s - 1)[:anchors_per_sample]
+        if anchors.numel() == 0:
+            continue
+        aux = x.aux_hidden.float().permute(1, 0, 2).reshape(1, s, -1)  # [1, S, L*H]
+        weights: list[torch.Tensor] = []
+        model.backbone(model.context(aux), ids[anchors][None], anchors[None], attention=weights)
+        a = anchors.numel()
+        p = anchors[:, None]  # [A, 1]
+        pos = torch.arange(s)[None, :]  # [1, S]
+        buckets = [pos == p - 1, pos == p - 2, pos == p - 3, (pos >= p - 8) & (pos < p - 3)]
+        buckets.append(pos < p - 8)
+        for li, w in enumerate(weights):
+            w = w[0].view(w.shape[1], a, k, -1).double()  # [nh, A, K, S+A*K]
+            ctx = w[..., :s]
+            per_head = [(ctx * m[None, :, None, :]).sum(-1) for m in buckets]  # [nh, A, K]
+            per_head.append(w[..., s:].sum(-1))  # its own block: other blocks are masked
+            stacked = torch.stack(per_head, dim=-1)  # [nh, A, K, buckets]
+            mass[li] += stacked.mean(0).sum(0)
+            best[li] += per_head[0].max(dim=0).values.sum(0)
+        count += a
+    if not count:
+        raise DataError(f"no anchor at position >= {FIRST_ANCHOR} in the samples")
+    return {
+        "anchors": count,
+        "layers": [
+            {
+                "mass": [[round(float(v), 4) for v in row] for row in mass[li] / count],
+                "best_head_p1": [round(float(v), 4) for v in best[li] / count],
+            }
+            for li in range(n_layers)
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--root", type=Path, default=ROOT, help="the workspace the stages ran in")
+    ap.add_argument("--profile", default=None, help="params.yaml profile (default: its own)")
+    ap.add_argument("--drafts", nargs="*", default=["dspark", "dflash"])
+    ap.add_argument("--samples", type=int, default=16, help="of the validation split")
+    ap.add_argument("--anchors", type=int, default=48, help="anchors per sample")
+    ap.add_argument("--out", type=Path, default=None)
+    return one_line_errors(run, ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> None:
+    root = args.root
+    for name in args.drafts:
+        if not (root / DRAFTS / name / "config.json").is_file():
+            raise DataError(f"{root / DRAFTS / name}: no trained draft (run the train stage)")
+    params = load_params(root / "params.yaml", args.profile)
+    target = load_target_for(params.target, root / TARGET_DIR)
+    samples, _ = validation_samples(root, params, args.samples)
+    doc = {}
+    for name in args.drafts:
+        model, _ = load_draft(root / DRAFTS / name, target.embed)
+        if not isinstance(model, DSparkDraft):
+            raise DataError(f"{name}: not a block draft (its slots are what this measures)")
+        doc[name] = found = slot_attention(model.eval(), samples, args.anchors)
+        print(f"\n{name}: {found['anchors']} anchors, {len(samples)} held-out samples")
+        for li, layer in enumerate(found["layers"]):
+            print(f"| layer {li}, slot | " + " | ".join(BUCKETS) + " | best head at p-1 |")
+            rows = zip(layer["mass"], layer["best_head_p1"], strict=True)
+            for slot, (row, top) in enumerate(rows):
+                print(f"| {slot} | " + " | ".join(f"{v:.3f}" for v in row) + f" | {top:.3f} |")
+    out = args.out or root / "metrics" / "slot_attention.json"
+    write_metrics(out, params.profile, {"samples": len(samples), "buckets": BUCKETS, **doc})
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
