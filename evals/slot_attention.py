@@ -1,16 +1,18 @@
 """Where a block draft's slots look: each layer's attention mass, per slot, over the context
 positions just before the block's anchor p and over the block itself.
 
-    python -m evals.slot_attention [--root .] [--drafts dspark dflash] [--samples 16]
+    python -m evals.slot_attention [--root .] [--profile P] [--drafts dspark dflash]
+                                   [--samples 16] [--anchors 48] [--out FILE]
 
 Slot 0 holds the anchor token x_p and drafts x_{p+1}. EAGLE-3 drafts that token from x_p and
 the target's feature of position p-1 carried in its residual stream; a block draft can reach
 that feature only through attention. This measures how much it does: over the validation split
 (`train.eval_samples`, the lowest sample ids) of the extract stage's hidden shards, every
-response position p >= 9 is an anchor (up to `--anchors` a sample), and each slot's attention
-weights, averaged over heads, fall into buckets p-1, p-2, p-3, p-8..p-4, earlier context and
-its own block. `best head at p-1` is the largest single head's weight at p-1, averaged over
-anchors. Writes metrics/slot_attention.json.
+response position p >= 9 can be an anchor (up to `--anchors` a sample, spread evenly over the
+answer), and each slot's attention weights, averaged over heads, fall into buckets p-1, p-2,
+p-3, p-8..p-4, earlier context and its own block. Each head's weight at p-1 is averaged over
+the anchors too (`head_p1`); the table prints the head that looks at p-1 most.
+Writes metrics/slot_attention.json.
 """
 
 from __future__ import annotations
@@ -38,34 +40,37 @@ FIRST_ANCHOR = 9  # every bucket exists from here on
 
 @torch.no_grad()
 def slot_attention(model: DSparkDraft, samples: list[Sample], anchors_per_sample: int) -> dict:
-    """-> {"anchors": n, "layers": [{"mass": [K][buckets], "best_head_p1": [K]}, ...]}."""
+    """-> {"anchors": n, "layers": [{"mass": [K][buckets], "head_p1": [K][heads]}, ...]}:
+    each slot's mean attention per bucket (heads averaged), and each head's mean weight at p-1."""
     k, n_layers = model.cfg.block_size, model.cfg.num_layers
+    heads = model.cfg.layer.num_heads
     mass = torch.zeros(n_layers, k, len(BUCKETS), dtype=torch.float64)
-    best = torch.zeros(n_layers, k, dtype=torch.float64)
+    head_p1 = torch.zeros(n_layers, k, heads, dtype=torch.float64)
     count = 0
     for x in samples:
         ids = x.input_ids.long()
         s = ids.shape[0]
         start = max(int(x.loss_mask.int().argmax()), FIRST_ANCHOR)
-        anchors = torch.arange(start, s - 1)[:anchors_per_sample]
-        if anchors.numel() == 0:
+        if start > s - 2:
             continue
+        # Spread over the whole answer: attention's reach depends on how much context there is.
+        n = min(anchors_per_sample, s - 1 - start)
+        anchors = torch.linspace(start, s - 2, n).round().long().unique()
         aux = x.aux_hidden.float().permute(1, 0, 2).reshape(1, s, -1)  # [1, S, L*H]
         weights: list[torch.Tensor] = []
         model.backbone(model.context(aux), ids[anchors][None], anchors[None], attention=weights)
         a = anchors.numel()
         p = anchors[:, None]  # [A, 1]
         pos = torch.arange(s)[None, :]  # [1, S]
-        buckets = [pos == p - 1, pos == p - 2, pos == p - 3, (pos >= p - 8) & (pos < p - 3)]
-        buckets.append(pos < p - 8)
+        near = (pos >= p - 8) & (pos < p - 3)
+        buckets = [pos == p - 1, pos == p - 2, pos == p - 3, near, pos < p - 8]  # [A, S] each
         for li, w in enumerate(weights):
             w = w[0].view(w.shape[1], a, k, -1).double()  # [nh, A, K, S+A*K]
             ctx = w[..., :s]
             per_head = [(ctx * m[None, :, None, :]).sum(-1) for m in buckets]  # [nh, A, K]
             per_head.append(w[..., s:].sum(-1))  # its own block: other blocks are masked
-            stacked = torch.stack(per_head, dim=-1)  # [nh, A, K, buckets]
-            mass[li] += stacked.mean(0).sum(0)
-            best[li] += per_head[0].max(dim=0).values.sum(0)
+            mass[li] += torch.stack(per_head, dim=-1).mean(0).sum(0)  # [K, buckets]
+            head_p1[li] += per_head[BUCKETS.index("p-1")].sum(1).T  # [K, nh]
         count += a
     if not count:
         raise DataError(f"no anchor at position >= {FIRST_ANCHOR} in the samples")
@@ -74,7 +79,7 @@ def slot_attention(model: DSparkDraft, samples: list[Sample], anchors_per_sample
         "layers": [
             {
                 "mass": [[round(float(v), 4) for v in row] for row in mass[li] / count],
-                "best_head_p1": [round(float(v), 4) for v in best[li] / count],
+                "head_p1": [[round(float(v), 4) for v in row] for row in head_p1[li] / count],
             }
             for li in range(n_layers)
         ],
@@ -105,13 +110,18 @@ def run(args: argparse.Namespace) -> None:
         model, _ = load_draft(root / DRAFTS / name, target.embed)
         if not isinstance(model, DSparkDraft):
             raise DataError(f"{name}: not a block draft (its slots are what this measures)")
-        doc[name] = found = slot_attention(model.eval(), samples, args.anchors)
+        found = slot_attention(model.eval(), samples, args.anchors)
+        doc[name] = found
         print(f"\n{name}: {found['anchors']} anchors, {len(samples)} held-out samples")
         for li, layer in enumerate(found["layers"]):
             print(f"| layer {li}, slot | " + " | ".join(BUCKETS) + " | best head at p-1 |")
-            rows = zip(layer["mass"], layer["best_head_p1"], strict=True)
-            for slot, (row, top) in enumerate(rows):
-                print(f"| {slot} | " + " | ".join(f"{v:.3f}" for v in row) + f" | {top:.3f} |")
+            print("|---" * (len(BUCKETS) + 2) + "|")
+            for slot, (row, by_head) in enumerate(
+                zip(layer["mass"], layer["head_p1"], strict=True)
+            ):
+                top = max(range(len(by_head)), key=by_head.__getitem__)
+                cells = " | ".join(f"{v:.3f}" for v in row)
+                print(f"| {slot} | {cells} | {by_head[top]:.3f} (head {top}) |")
     out = args.out or root / "metrics" / "slot_attention.json"
     write_metrics(out, params.profile, {"samples": len(samples), "buckets": BUCKETS, **doc})
     print(f"wrote {out}")

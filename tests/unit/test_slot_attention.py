@@ -70,7 +70,9 @@ def test_the_buckets_share_out_every_slots_attention(draft, varied):
     for layer in found["layers"]:
         for row in layer["mass"]:
             assert len(row) == len(BUCKETS) and sum(row) == pytest.approx(1.0, abs=1e-3)
-        assert all(0 < v <= 1 for v in layer["best_head_p1"])
+        for row, by_head in zip(layer["mass"], layer["head_p1"], strict=True):
+            assert len(by_head) == draft.cfg.layer.num_heads
+            assert sum(by_head) / len(by_head) == pytest.approx(row[0], abs=1e-3)  # the mean
 
 
 def test_uniform_attention_lands_in_proportion(draft, varied):
@@ -85,9 +87,10 @@ def test_uniform_attention_lands_in_proportion(draft, varied):
     seen = p + k  # context before the anchor and the block
     expect = [1 / seen, 1 / seen, 1 / seen, 5 / seen, (p - 8) / seen, k / seen]
     for layer in found["layers"]:
-        for row in layer["mass"]:
+        for row, by_head in zip(layer["mass"], layer["head_p1"], strict=True):
             for got, want in zip(row, expect, strict=True):
                 assert got == pytest.approx(float(want.mean()), abs=1e-4)
+            assert by_head == pytest.approx([float(expect[0].mean())] * len(by_head), abs=1e-4)
 
 
 def test_a_workspace_without_drafts_is_one_line(tmp_path, capsys):
