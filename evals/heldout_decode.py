@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.config import load_params
+from dspark.config import Params, load_params
 from dspark.data.shards import read_manifest as read_token_manifest
 from dspark.decode.engine import SpecDecoder
 from dspark.decode.proposers import Proposer
@@ -213,23 +213,25 @@ def one_line_errors(run: Callable[[argparse.Namespace], None], args: argparse.Na
     return 0
 
 
-def validation_samples(root: Path, params, count: int | None) -> tuple[list[Sample], list[int]]:
+def validation_samples(
+    root: Path, params: Params, count: int | None
+) -> tuple[list[Sample], list[int], list[str] | None]:
     """The first `count` samples of the train stage's validation split (`train.eval_samples`,
-    the lowest sample ids) from the extract stage's hidden shards, and the shards' aux layers."""
+    the lowest sample ids) from the extract stage's hidden shards, the shards' aux layers, and
+    each sample id's source where the token shards record it (None otherwise)."""
     manifest = read_token_manifest(root / SHARDS)
     _, held = split_eval(list(range(manifest["num_samples"])), params.train.eval_samples)
     shards = HiddenShards(root / HIDDEN)
-    return list(shards.read(held[:count])), list(shards.manifest["aux_layers"])
+    samples = list(shards.read(held[:count]))
+    return samples, list(shards.manifest["aux_layers"]), manifest.get("validation_sources")
 
 
 def run(args: argparse.Namespace) -> None:
     root = args.root
     params = load_params(root / "params.yaml", args.profile)
     target = load_target_for(params.target, root / TARGET_DIR)
-    samples, layers = validation_samples(root, params, args.samples)
-    manifest = read_token_manifest(root / SHARDS)
+    samples, layers, sources = validation_samples(root, params, args.samples)
     groups: dict[str, list[Sample]] = {"all": samples}
-    sources = manifest.get("validation_sources")
     if sources and len(set(sources)) > 1:  # each source apart too, as train.json's by_source
         for x in samples:
             groups.setdefault(sources[x.sample_id], []).append(x)

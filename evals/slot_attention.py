@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
             raise DataError(f"{root / DRAFTS / name}: no trained draft (run the train stage)")
     params = load_params(root / "params.yaml", args.profile)
     target = load_target_for(params.target, root / TARGET_DIR)
-    samples, _ = validation_samples(root, params, args.samples)
+    samples, _, _ = validation_samples(root, params, args.samples)
     doc = {}
     for name in args.drafts:
         model, _ = load_draft(root / DRAFTS / name, target.embed)
