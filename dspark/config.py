@@ -278,6 +278,16 @@ OutputScale = Annotated[
 ]
 
 
+# The block drafts' attention normalizes each query and key head (q_norm, k_norm), so a logit
+# is at most about sqrt(head_dim) x gain^2: 10 for SmolLM2 at the gains' initial 1.0. The fifth
+# full run's DSpark still had gains of 1.12 after 2,468 steps, and its head that reads position
+# p-1 most reached logit 7.4 there (cosine 0.65) against 7.3 for its strongest rival. A larger
+# start lets a head be sharper; exported weights keep speculators' format (the gains are weights).
+QkNormInit = Annotated[
+    float, Field(gt=0.0, description="initial q_norm and k_norm gain (logit scale: its square)")
+]
+
+
 # Not in the block drafts' published losses (CE + TV for DSpark, CE for DFlash): the soft target
 # EAGLE-3 trains on, as a lever for the sweeps.
 KlWeight = Annotated[
@@ -323,6 +333,7 @@ class DSparkDraftConfig(Section):
         1.0, description="alpha: weight of the confidence BCE"
     )
     output_scale: OutputScale = 1.0
+    qk_norm_init: QkNormInit = 1.0
     optim: OptimConfig = OptimConfig()
 
     @model_validator(mode="after")
@@ -350,6 +361,7 @@ class DFlashDraftConfig(Section):
     gamma: Annotated[float, Field(gt=0.0)] = Field(4.0, description="slot k weighs exp(-k/gamma)")
     kl_weight: KlWeight = 0.0
     output_scale: OutputScale = 1.0
+    qk_norm_init: QkNormInit | None = Field(None, description="None: train.dspark's")
     optim: OptimConfig = OptimConfig()
 
 

@@ -224,6 +224,13 @@ class DSparkDraft(nn.Module):
     def embed(self) -> nn.Embedding:
         return self.frozen["embed"]
 
+    @torch.no_grad()
+    def set_qk_gain(self, gain: float) -> None:
+        """Start every layer's q_norm and k_norm gains at `gain` (train.dspark.qk_norm_init)."""
+        for layer in self.layers:
+            layer.self_attn.q_norm.weight.fill_(gain)
+            layer.self_attn.k_norm.weight.fill_(gain)
+
     # --- the backbone -----------------------------------------------------------------------
 
     def context(self, aux: torch.Tensor) -> torch.Tensor:

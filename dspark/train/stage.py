@@ -141,6 +141,7 @@ def build_runs(
         model = DSparkDraft(cfg, embed, rows)
         with torch.no_grad():
             model.norm.weight.copy_(target.norm.weight * d.output_scale)
+        model.set_qk_gain(d.qk_norm_init)
         model.to(device)
         runs.append(
             DraftRun(
@@ -169,6 +170,7 @@ def build_runs(
         model = DFlashDraft(cfg, embed, rows)
         with torch.no_grad():
             model.norm.weight.copy_(target.norm.weight * f.output_scale)
+        model.set_qk_gain(f.qk_norm_init or d.qk_norm_init)
         model.to(device)
         # Its authors' loss, CE alone, unless a sweep adds the KL lever.
         weights = LossWeights(ce=1.0, tv=0.0, kl=f.kl_weight, gamma=f.gamma)

@@ -475,6 +475,34 @@ def test_the_block_drafts_take_the_sweep_levers_kv_heads_and_kl(
             build_runs(Params.model_validate(tree), tiny_target, draft_ids, [0, 1], mask_id=3)
 
 
+def test_the_qk_norm_gains_start_where_the_recipe_says(smoke_params, tiny_target, samples):
+    """train.dspark.qk_norm_init starts both block drafts' q_norm and k_norm gains there, and
+    DFlash's unless train.dflash sets its own (the gains are weights: export carries them)."""
+    from dspark.config import Params
+
+    tree = tiny_params(smoke_params).model_dump()
+    draft_ids = build_draft_ids(count_tokens(samples, tiny_target.vocab_size), 256)
+
+    def gains(tree) -> dict[str, set[float]]:
+        runs = build_runs(Params.model_validate(tree), tiny_target, draft_ids, [0, 1], mask_id=3)
+        return {
+            r.name: {
+                float(w)
+                for layer in r.model.layers
+                for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)
+                for w in norm.weight
+            }
+            for r in runs
+            if r.name != "eagle3"
+        }
+
+    assert gains(tree) == {"dspark": {1.0}, "dflash": {1.0}}
+    tree["train"]["dspark"]["qk_norm_init"] = 2.0
+    assert gains(tree) == {"dspark": {2.0}, "dflash": {2.0}}
+    tree["train"]["dflash"]["qk_norm_init"] = 1.5
+    assert gains(tree) == {"dspark": {2.0}, "dflash": {1.5}}
+
+
 def test_the_context_scale_is_the_first_batchs_rms_and_export_folds_it(
     smoke_params, tiny_target, samples, tmp_path
 ):
