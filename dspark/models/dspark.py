@@ -107,19 +107,26 @@ class BlockAttention(nn.Module):
         k, v = torch.cat((ctx_k, k), dim=2), torch.cat((ctx_v, v), dim=2)
         return self.o_proj(gqa_attention(self.queries(x, rope_q), k, v, mask))
 
-    def probs(
+    def logits(
         self,
         x: torch.Tensor,
         ctx_k: torch.Tensor,
         rope_q: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """forward's attention weights, for inspection: [B, nh, Q, S+Q] (context then block)."""
+        """forward's attention logits, for inspection: [B, nh, Q, S+Q] (context then block),
+        -inf where masked, so their softmax is forward's attention weights."""
         q = self.queries(x, rope_q)
         k = torch.cat((ctx_k, self.context_kv(x, rope_q)[0]), dim=2)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # head h reads kv head h // g
         scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-        return scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
+        return scores.masked_fill(~mask[:, None], float("-inf"))
+
+    def logit_scale(self) -> float:
+        """The logit of a query and a key pointing the same way, each spread evenly over the
+        head's dims: q_norm and k_norm fix both lengths, so only their gains can raise it."""
+        rms = [float(n.weight.pow(2).mean().sqrt()) for n in (self.q_norm, self.k_norm)]
+        return self.s.head_dim**0.5 * rms[0] * rms[1]
 
 
 class MarkovHead(nn.Module):
@@ -268,7 +275,7 @@ class DSparkDraft(nn.Module):
         attention: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """-> normed hidden states [B, A, K, H] for every slot of every block. A list passed as
-        `attention` gets each layer's attention weights [B, nh, A*K, S+A*K] (inspection)."""
+        `attention` gets each layer's attention logits [B, nh, A*K, S+A*K] (inspection)."""
         b, s, _ = ctx.shape
         a = anchors.shape[1]
         k = self.cfg.block_size
@@ -287,7 +294,7 @@ class DSparkDraft(nn.Module):
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, rope_ctx)
             if attention is not None:
                 normed = layer.input_layernorm(x)
-                attention.append(layer.self_attn.probs(normed, ctx_k, rope_q, mask))
+                attention.append(layer.self_attn.logits(normed, ctx_k, rope_q, mask))
             x = layer(x, ctx_k, ctx_v, rope_q, mask)
         return self.norm(x).view(b, a, k, -1)
 

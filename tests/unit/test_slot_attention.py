@@ -30,7 +30,7 @@ def samples(varied, lengths=((6, 30), (12, 25))) -> list[Sample]:
     return out
 
 
-def test_the_inspected_weights_are_the_forwards(draft, varied):
+def test_the_inspected_logits_are_the_forwards(draft, varied):
     x = samples(varied)[0]
     s = x.num_tokens
     anchors = torch.tensor([[9, 14, 20]])
@@ -49,7 +49,7 @@ def test_the_inspected_weights_are_the_forwards(draft, varied):
         ctx_k, ctx_v = attn.context_kv(ctx, _rope(torch.arange(s)[None], draft, block=1))
         v = torch.cat((ctx_v, attn.context_kv(normed, rope)[1]), dim=2)
         v = v.repeat_interleave(sh.num_heads // sh.num_kv_heads, dim=1)
-        mixed = (weights[0] @ v).transpose(1, 2).reshape(1, 12, -1)
+        mixed = (weights[0].softmax(-1) @ v).transpose(1, 2).reshape(1, 12, -1)
         mask = block_mask(anchors, 4, s)
         torch.testing.assert_close(
             attn.o_proj(mixed), attn(normed, ctx_k, ctx_v, rope, mask), atol=1e-5, rtol=1e-4
@@ -91,6 +91,27 @@ def test_uniform_attention_lands_in_proportion(draft, varied):
             for got, want in zip(row, expect, strict=True):
                 assert got == pytest.approx(float(want.mean()), abs=1e-4)
             assert by_head == pytest.approx([float(expect[0].mean())] * len(by_head), abs=1e-4)
+        zeros = [[0.0] * flat.cfg.layer.num_heads] * k
+        assert layer["logit_p1"] == zeros and layer["logit_rival"] == zeros
+
+
+def test_the_gains_scale_every_logit_by_their_product(draft, varied):
+    """q_norm and k_norm end the query's and the key's paths, so their gains multiply each
+    logit (and the layer's logit scale) and leave where a head points unchanged."""
+    sharp = type(draft)(draft.cfg, draft.embed, draft.lm_head.weight.detach())
+    sharp.load_state_dict(draft.state_dict())
+    with torch.no_grad():
+        for layer in sharp.layers:
+            layer.self_attn.q_norm.weight.mul_(2.0)
+            layer.self_attn.k_norm.weight.mul_(1.5)
+    xs = samples(varied)
+    base = slot_attention(draft, xs, anchors_per_sample=8)["layers"][0]
+    found = slot_attention(sharp.eval(), xs, anchors_per_sample=8)["layers"][0]
+    assert found["logit_scale"] == pytest.approx(3.0 * base["logit_scale"], rel=1e-3)
+    for key in ("logit_p1", "logit_rival"):
+        got, want = torch.tensor(found[key]), 3.0 * torch.tensor(base[key])
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
+    assert torch.tensor(base["logit_rival"]).abs().sum() > 0  # a random draft's are not 0
 
 
 def test_a_workspace_without_drafts_is_one_line(tmp_path, capsys):
