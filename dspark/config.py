@@ -279,11 +279,11 @@ OutputScale = Annotated[
 
 
 # The block drafts' attention normalizes each query and key head (q_norm, k_norm), so a logit
-# is at most about sqrt(head_dim) x gain^2: 10 for SmolLM2 at the gains' initial 1.0. The fifth
-# full run's DSpark still had gains of 1.12 after 2,468 steps, and its head that reads position
-# p-1 most reached logit 7.39 there against 7.34 for its strongest rival (evals/slot_attention).
-# A larger start lets a head be sharper; the gains are weights, so export keeps speculators'
-# format.
+# is at most about sqrt(head_dim) x gain^2: 8 for SmolLM2 at the gains' initial 1.0. The fifth
+# full run's DSpark still had gains of 1.12 (scale 10.0) after 2,468 steps, and its head that
+# reads position p-1 most reached logit 7.39 there against 7.34 for its strongest rival
+# (evals/slot_attention). A larger start lets a head be sharper; the gains are weights, so
+# export keeps speculators' format.
 QkNormInit = Annotated[
     float, Field(gt=0.0, description="initial q_norm and k_norm gain (logit scale: its square)")
 ]
