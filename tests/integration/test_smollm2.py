@@ -37,11 +37,13 @@ def test_greedy_answer_is_sensible(smollm2):
 
 def test_long_context_length_fits_the_target(smollm2):
     params = load_params(ROOT / "params.yaml", profile="default")
-    # 8192 positions, minus max_new_tokens (128), one block (8) and the chat template around
-    # the text (its system prompt and role markers)
+    # 8192 positions, minus the case's max_new_tokens (96 in the default profile), one block
+    # (8) and the chat template around the text (its system prompt and role markers)
     template = len(smollm2.chat_ids([{"role": "user", "content": ""}]))
     assert 20 < template < 60
-    assert long_context_tokens(params, smollm2) == 8192 - 128 - 8 - template
+    answer = params.evaluate.max_new_tokens["long_context"]
+    assert answer == 96 and params.train.dspark.block_size == 8
+    assert long_context_tokens(params, smollm2) == 8192 - answer - 8 - template
 
 
 def test_our_decode_forward_matches_transformers_on_smollm2(smollm2):
