@@ -41,9 +41,9 @@ def test_long_context_length_fits_the_target(smollm2):
     # (8) and the chat template around the text (its system prompt and role markers)
     template = len(smollm2.chat_ids([{"role": "user", "content": ""}]))
     assert 20 < template < 60
-    answer = params.evaluate.max_new_tokens["long_context"]
-    assert answer == 96 and params.train.dspark.block_size == 8
-    assert long_context_tokens(params, smollm2) == 8192 - answer - 8 - template
+    answer, block = params.evaluate.max_new_tokens["long_context"], params.train.dspark.block_size
+    assert answer == 96 and block == 8
+    assert long_context_tokens(params, smollm2) == 8192 - answer - block - template
 
 
 def test_our_decode_forward_matches_transformers_on_smollm2(smollm2):
