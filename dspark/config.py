@@ -289,6 +289,30 @@ QkNormInit = Annotated[
 ]
 
 
+# The block-draft study's levers (issue 48): what a block's slots see. Defaults are the layout
+# every published DSpark recipe trains; the study's tables under metrics/sweeps/ decide them.
+SampleFromAnchor = Annotated[
+    bool,
+    Field(
+        description="true: every slot drafts, slot 0 from the anchor (DeepSpec's layout); false: "
+        "anchor-as-bonus, slot 0 holds the last verified token and drafts nothing, block_size - 1 "
+        "drafts a step (the layout z-lab's DFlash, SpecForge and vLLM serve)"
+    ),
+]
+BlockAttention = Annotated[
+    Literal["bidirectional", "causal"],
+    Field(description="inside a block: every slot sees every slot, or only those before it"),
+]
+FeatureInput = Annotated[
+    Literal["none", "first", "all"],
+    Field(
+        description="add the target's feature at the position before the anchor (through a "
+        "learned projection, zero at the start) to the anchor slot's input, or to every slot's, "
+        "as EAGLE-3 feeds it to the position it drafts from"
+    ),
+]
+
+
 # Not in the block drafts' published losses (CE + TV for DSpark, CE for DFlash): the soft target
 # EAGLE-3 trains on, as a lever for the sweeps.
 KlWeight = Annotated[
@@ -335,6 +359,9 @@ class DSparkDraftConfig(Section):
     )
     output_scale: OutputScale = 1.0
     qk_norm_init: QkNormInit = 1.0
+    sample_from_anchor: SampleFromAnchor = True
+    block_attention: BlockAttention = "bidirectional"
+    feature_input: FeatureInput = "none"
     optim: OptimConfig = OptimConfig()
 
     @model_validator(mode="after")
@@ -363,6 +390,9 @@ class DFlashDraftConfig(Section):
     kl_weight: KlWeight = 0.0
     output_scale: OutputScale = 1.0
     qk_norm_init: QkNormInit | None = Field(None, description="None: train.dspark's")
+    sample_from_anchor: SampleFromAnchor | None = None  # None: train.dspark's
+    block_attention: BlockAttention | None = None  # None: train.dspark's
+    feature_input: FeatureInput | None = None  # None: train.dspark's
     optim: OptimConfig = OptimConfig()
 
 

@@ -3,13 +3,14 @@ and DFlash model and vLLM's speculators loader read), and import such a folder b
 
 Field names and semantics follow speculators 0.9.0 (`DSparkSpeculatorConfig`, its DFlash base
 `DFlashSpeculatorConfig`, and `DraftVocabMixin`); a DFlash folder is a DSpark one without the
-Markov and confidence fields, under its own type and architecture. Ours drafts from every slot
-(`sample_from_anchor: true`, DeepSpec's DFlash): speculators loads and runs it, but vLLM
-0.32's DFlash proposer serves only the anchor-as-bonus layout and refuses the flag, so the
-DFlash folder is for speculators, not yet for `vllm serve`:
+Markov and confidence fields, under its own type and architecture. Both layouts export:
+every slot drafting (`sample_from_anchor: true`, DeepSpec's DFlash, our default) and
+anchor-as-bonus (`false`, train.dspark.sample_from_anchor: false), the layout vLLM 0.32's DFlash
+proposer is written for:
     aux_hidden_state_layer_ids  index into HF `hidden_states` (0 = embeddings), so our layer i
                                 (the output of decoder layer i) is id i+1
-    sample_from_anchor          true: every slot of a block drafts (block_size tokens per step)
+    sample_from_anchor          true: every slot of a block drafts (block_size tokens per step);
+                                false: slot 0 holds the verified token (block_size - 1)
     t2d / d2t                   bool mask over the target vocabulary / int64 offsets with
                                 target_id = draft_index + d2t[draft_index]; only when reduced
     lm_head.weight              the target's rows, saved only when the vocabulary is reduced
@@ -33,8 +34,14 @@ from dspark.models.layers import LayerShape
 from dspark.train.checkpoint import load_state, load_tensors, read_json, save_tensors
 
 # Our own metadata in config.json (speculators keeps unknown keys; vLLM ignores them):
-# {"verifier_local_path": the target folder the draft was trained and exported against}.
+# {"verifier_local_path": the target folder the draft was trained and exported against,
+#  "extensions": the study's levers speculators' format has no field for, where set}.
 DSPARK_KEY = "dspark"
+# Levers with no speculators field, and the value that means the plain architecture. A draft
+# with any other value carries them under DSPARK_KEY; speculators and vLLM would run it as the
+# plain architecture, so it is for our engine only (and `feature_fc.weight` is a tensor they
+# do not know).
+EXTENSIONS = {"block_attention": "bidirectional", "feature_input": "none"}
 SPECULATORS_VERSION = "0.9.0"  # the release whose format this matches (and that the test loads)
 # What speculators 0.9.0 reads for a key its DSpark config.json omits (DSparkSpeculatorConfig and
 # its DFlash base). They are speculators' defaults, not ours (train.dspark): an import must mean
@@ -104,7 +111,7 @@ def speculators_config(
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layers],
         "mask_token_id": cfg.mask_token_id,
         "sliding_window_non_causal": False,
-        "sample_from_anchor": True,
+        "sample_from_anchor": cfg.sample_from_anchor,
         **heads,
         "transformer_layer_config": layer_cfg,
         "speculators_config": {
@@ -112,7 +119,7 @@ def speculators_config(
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": cfg.block_size,
+                    "speculative_tokens": cfg.draft_slots,
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -123,12 +130,19 @@ def speculators_config(
                 "architectures": verifier_config.get("architectures", []),
             },
         },
-        **(
-            {DSPARK_KEY: {"verifier_local_path": verifier_local_path}}
-            if verifier_local_path
-            else {}
-        ),
+        **({DSPARK_KEY: ours} if (ours := own_metadata(cfg, verifier_local_path)) else {}),
     }
+
+
+def own_metadata(cfg: DSparkConfig, verifier_local_path: str | None) -> dict:
+    """What goes under DSPARK_KEY: the local verifier and the levers set off their plain value."""
+    ours: dict = {}
+    if verifier_local_path:
+        ours["verifier_local_path"] = verifier_local_path
+    extensions = {k: getattr(cfg, k) for k, plain in EXTENSIONS.items() if getattr(cfg, k) != plain}
+    if extensions:
+        ours["extensions"] = extensions
+    return ours
 
 
 def export_speculators(
@@ -170,8 +184,10 @@ def import_speculators(folder: Path, embed: torch.nn.Embedding, lm_head: torch.n
         raise DataError(f"{where}: speculators_model_type is not one of {', '.join(KINDS)}")
     _, config_cls, model_cls = KINDS[kind]
     doc = {**SPECULATORS_DEFAULTS[kind], **doc}
-    if doc["sample_from_anchor"] is False:
-        raise DataError(f"{where}: sample_from_anchor false (slot 0 not drafting) is not supported")
+    extensions = (doc.get(DSPARK_KEY) or {}).get("extensions") or {}
+    unknown = sorted(set(extensions) - set(EXTENSIONS))
+    if unknown:
+        raise DataError(f"{where}: {DSPARK_KEY}.extensions: unknown {', '.join(unknown)}")
     try:
         layer_cfg = doc["transformer_layer_config"]
         shape = LayerShape.from_hf(layer_cfg)
@@ -194,7 +210,9 @@ def import_speculators(folder: Path, embed: torch.nn.Embedding, lm_head: torch.n
             vocab_size=vocab,
             draft_vocab_size=int(doc["draft_vocab_size"]),
             mask_token_id=int(doc["mask_token_id"]),
+            sample_from_anchor=bool(doc["sample_from_anchor"]),
             **heads,
+            **extensions,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise DataError(f"{where}: malformed speculators config ({e})") from None
@@ -293,7 +311,7 @@ def export_stage(params, *, drafts_dir: Path, target_dir: Path, out_dir: Path) -
         back, back_ids = import_speculators(folder, target.embed, target.lm_head)
         checked = {
             "draft_vocab_size": doc["draft_vocab_size"],
-            "speculative_tokens": doc["block_size"],
+            "speculative_tokens": back.cfg.draft_slots,
             "bytes": sum(f.stat().st_size for f in folder.iterdir()),
             "roundtrip_vocab_equal": bool(torch.equal(back_ids, draft_ids)),
             "roundtrip_max_abs_diff": roundtrip_diff(model, back),

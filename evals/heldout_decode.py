@@ -105,7 +105,7 @@ def trainer_measure(model, draft_ids, samples: list[Sample], target, batch_size:
     if isinstance(model, Eagle3Draft):
         objective, slots = Eagle3Objective(LossWeights(kl=1.0)), model.cfg.ttt_steps
     else:
-        objective, slots = DSparkObjective(LossWeights(), None), model.cfg.block_size
+        objective, slots = DSparkObjective(LossWeights(), None), model.cfg.draft_slots
     batches = [
         collate(samples[i : i + batch_size], head) for i in range(0, len(samples), batch_size)
     ]

@@ -67,11 +67,17 @@ class DSparkProposer(DraftProposer):
     name = "dspark"
 
     def __init__(self, model: DSparkDraft, draft_ids: torch.Tensor, held: int = 128):
-        super().__init__(model, draft_ids, model.cfg.block_size)
+        super().__init__(model, draft_ids, model.cfg.draft_slots)
         self.held = held
 
     def start(self, batch, slots):
         self.cache = [self.new_kv(batch, slots) for _ in self.model.layers]
+        # The fused context feature per position, for drafts that feed the one before the
+        # anchor into the block (feature_input); the scratch slot at the end, as the keys'.
+        self.features = None
+        if self.model.feature_fc is not None:
+            h = self.model.cfg.layer.hidden_size
+            self.features = self.model.fc.weight.new_zeros(batch, slots + 1, h)
         width = len(self.taps) * self.model.cfg.layer.hidden_size
         self.held_aux = self.model.fc.weight.new_zeros(batch, self.held, width)  # [B, W, L*H]
         self.held_from = torch.zeros(batch, dtype=torch.long)  # the first held position
@@ -121,6 +127,8 @@ class DSparkProposer(DraftProposer):
             k, v = layer.self_attn.context_kv(ctx, rope)  # [B, nkv, T, d]
             cache_k[rows][idx, :, write] = k.transpose(1, 2)
             cache_v[rows][idx, :, write] = v.transpose(1, 2)
+        if self.features is not None:
+            self.features[rows][idx, write] = ctx
 
     @torch.no_grad()
     def propose(self, seq, n, active, sampling: Sampling, gen, rows=ALL):
@@ -130,7 +138,10 @@ class DSparkProposer(DraftProposer):
         span = int(n.max())
         anchor = seq[torch.arange(b), n]
         ctx_kv = [(k[rows, :, :span], v[rows, :, :span]) for k, v in self.cache]
-        hidden = m.draft_hidden(ctx_kv, n, anchor)  # [B, K, H]
+        before = None
+        if self.features is not None:  # the feature before each row's anchor (n >= 1)
+            before = self.features[rows][torch.arange(b), (n - 1).clamp_min(0)]
+        hidden = m.draft_hidden(ctx_kv, n, anchor, before)  # [B, K, H]: the drafting slots
         base = m.lm_head(hidden)  # [B, K, d]
         prev, state = anchor, None
         tokens, qs, confs = [], [], []

@@ -26,6 +26,7 @@ class DFlashConfig(DSparkConfig):
     kind: ClassVar[str] = "dflash"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.markov_rank or self.confidence_head or self.confidence_with_markov:
             raise ValueError("a DFlash draft has no Markov or confidence head")
 

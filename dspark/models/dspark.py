@@ -6,6 +6,12 @@ A block for anchor position p holds the anchor token x_p in slot 0 and `mask_tok
 every slot of its own block (bidirectional), nothing else. Slot k predicts token p+k+1 (all B
 slots draft: speculators' `sample_from_anchor`), so one backbone pass proposes B tokens.
 
+Three options of the block-draft study change that (all off by default): `sample_from_anchor`
+false is the anchor-as-bonus layout vLLM serves (slot 0 drafts nothing; slot k predicts token
+p+k, B-1 tokens a pass); `block_attention: causal` lets a slot see only the slots before it;
+`feature_input` adds the target's feature at position p-1 to slot 0's input (or every slot's),
+as EAGLE-3 feeds it to the position it drafts from.
+
     context   ctx = hidden_norm(fc(concat(aux hidden states)))     [S, H], fed to every layer
               (optionally each channel scaled to unit RMS first: calibrate_context)
     layer     Qwen3-style: q from the block only, k/v from [ctx; block], q_norm/k_norm per head
@@ -60,8 +66,26 @@ class DSparkConfig(DraftConfig):
     confidence_head: bool = _recipe("confidence_head")
     confidence_with_markov: bool = _recipe("confidence_with_markov")
     context_scale: bool = _recipe("context_scale")
+    # The block-draft study's levers (train.dspark says what each does); the defaults are the
+    # layout every published DSpark recipe trains.
+    sample_from_anchor: bool = _recipe("sample_from_anchor")
+    block_attention: str = _recipe("block_attention")
+    feature_input: str = _recipe("feature_input")
 
     kind: ClassVar[str] = "dspark"
+
+    def __post_init__(self):
+        if self.block_attention not in ("bidirectional", "causal"):
+            raise ValueError(f"block_attention: unknown {self.block_attention!r}")
+        if self.feature_input not in ("none", "first", "all"):
+            raise ValueError(f"feature_input: unknown {self.feature_input!r}")
+        if self.draft_slots < 1:
+            raise ValueError("block_size: the anchor-as-bonus layout needs at least 2 slots")
+
+    @property
+    def draft_slots(self) -> int:
+        """Tokens one block drafts: every slot, or all but the anchor's (anchor-as-bonus)."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
 
 
 class BlockAttention(nn.Module):
@@ -200,6 +224,13 @@ class DSparkDraft(nn.Module):
         if cfg.context_scale:  # set from the first training batch (calibrate_context)
             self.register_buffer("aux_scale", torch.ones(len(cfg.aux_layers) * s.hidden_size))
         self.hidden_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        # The target's feature at the last verified position, added to the anchor slot's input
+        # (or every slot's), as EAGLE-3 feeds it to the position it drafts from. Zero at the
+        # start, so a fresh draft begins as the plain layout does.
+        self.feature_fc = None
+        if cfg.feature_input != "none":
+            self.feature_fc = nn.Linear(s.hidden_size, s.hidden_size, bias=False)
+            nn.init.zeros_(self.feature_fc.weight)
         self.layers = nn.ModuleList(
             PreNormBlock(s, BlockAttention(s)) for _ in range(cfg.num_layers)
         )
@@ -266,6 +297,17 @@ class DSparkDraft(nn.Module):
             state["fc.weight"] = state["fc.weight"] * scale[None, :]
         return state
 
+    def block_input(self, block_ids: torch.Tensor, prev_feature: torch.Tensor) -> torch.Tensor:
+        """block_ids [..., K], prev_feature [..., H] (the context feature at the anchor's
+        position - 1) -> the slots' input states [..., K, H]."""
+        x = self.embed(block_ids)
+        if self.feature_fc is None:
+            return x
+        feature = self.feature_fc(prev_feature)[..., None, :]  # [..., 1, H]
+        if self.cfg.feature_input == "first":
+            return torch.cat((x[..., :1, :] + feature, x[..., 1:, :]), dim=-2)
+        return x + feature
+
     def backbone(
         self,
         ctx: torch.Tensor,  # [B, S, H]
@@ -284,12 +326,14 @@ class DSparkDraft(nn.Module):
         slot = torch.arange(k, device=dev)
         block_ids = torch.full((b, a, k), self.cfg.mask_token_id, dtype=torch.long, device=dev)
         block_ids[:, :, 0] = anchor_ids
-        x = self.embed(block_ids).view(b, a * k, -1)  # [B, Q, H]
+        rows = torch.arange(b, device=dev)[:, None]
+        prev_feature = ctx[rows, (anchors - 1).clamp_min(0)]  # [B, A, H]
+        x = self.block_input(block_ids, prev_feature).view(b, a * k, -1)  # [B, Q, H]
         block_pos = (anchors[:, :, None] + slot).view(b, a * k)  # [B, Q]
         ctx_pos = torch.arange(s, device=dev).expand(b, s)
         rope_q = rope_cos_sin(block_pos, sh.head_dim, sh.rope_theta)
         rope_ctx = rope_cos_sin(ctx_pos, sh.head_dim, sh.rope_theta)
-        mask = block_mask(anchors, k, s, ctx_len)
+        mask = block_mask(anchors, k, s, ctx_len, causal=self.cfg.block_attention == "causal")
         for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, rope_ctx)
             if attention is not None:
@@ -303,22 +347,32 @@ class DSparkDraft(nn.Module):
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: cached [B, nkv, S, d]
         ctx_len: torch.Tensor,  # [B] context positions each row has (= its anchor position)
         anchor_ids: torch.Tensor,  # [B]
+        prev_feature: torch.Tensor | None = None,  # [B, H] context feature at ctx_len - 1
     ) -> torch.Tensor:
-        """Decoding: one block per row at its anchor over cached context keys -> [B, K, H]."""
+        """Decoding: one block per row at its anchor over cached context keys -> the drafting
+        slots' states [B, draft_slots, H] (every slot, or all but the anchor's)."""
         b, k, sh = anchor_ids.shape[0], self.cfg.block_size, self.cfg.layer
+        dev = anchor_ids.device
         span = ctx_kv[0][0].shape[2]
-        slot = torch.arange(k, device=anchor_ids.device)
-        block_ids = torch.full((b, k), self.cfg.mask_token_id, device=anchor_ids.device)
+        slot = torch.arange(k, device=dev)
+        block_ids = torch.full((b, k), self.cfg.mask_token_id, device=dev)
         block_ids[:, 0] = anchor_ids
         rope_q = rope_cos_sin(ctx_len[:, None] + slot, sh.head_dim, sh.rope_theta)
-        sees_ctx = torch.arange(span, device=anchor_ids.device)[None, :] < ctx_len[:, None]
+        sees_ctx = torch.arange(span, device=dev)[None, :] < ctx_len[:, None]
+        in_block = torch.ones(k, k, dtype=torch.bool, device=dev)
+        if self.cfg.block_attention == "causal":
+            in_block = in_block.tril()
         mask = torch.cat(
-            (sees_ctx[:, None].expand(b, k, span), sees_ctx.new_ones(b, k, k)), dim=2
+            (sees_ctx[:, None].expand(b, k, span), in_block.expand(b, k, k)), dim=2
         )  # [B, K, S+K]
-        x = self.embed(block_ids)
+        if self.feature_fc is not None and prev_feature is None:
+            raise ValueError(
+                "feature_input: this draft needs the context feature before its anchor"
+            )
+        x = self.block_input(block_ids, prev_feature)  # [B, K, H]
         for layer, (ctx_k, ctx_v) in zip(self.layers, ctx_kv, strict=True):
             x = layer(x, ctx_k, ctx_v, rope_q, mask)
-        return self.norm(x)
+        return self.norm(x)[:, k - self.cfg.draft_slots :]
 
     def confidence(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
         """hidden [..., H], prev [...] (the token before each slot's) -> logits [...] or None."""
@@ -349,24 +403,32 @@ class DSparkDraft(nn.Module):
         keep: torch.Tensor | None = None,  # [B, A] bool: real anchors (the rest is padding)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """All blocks of every sequence in one pass -> logits [N, K, d] and confidence logits
-        [N, K] for the N kept anchors (row-major), so padding never reaches the heads.
+        [N, K] for the N kept anchors (row-major), so padding never reaches the heads. K is
+        the drafting slots (`draft_slots`): drafting slot k predicts x_{p+k+1} in either
+        layout, from block position k (every slot drafts) or k+1 (anchor-as-bonus).
 
         Slot k's Markov input is the true token x_{p+k} (teacher forcing)."""
         b, s = input_ids.shape
-        k = self.cfg.block_size
+        k = self.cfg.draft_slots
         if keep is None:
             keep = torch.ones_like(anchors, dtype=torch.bool)
         rows = torch.arange(b, device=input_ids.device)[:, None]
         hidden = self.backbone(self.context(aux), input_ids[rows, anchors], anchors)
+        hidden = hidden[:, :, self.cfg.block_size - k :]  # the drafting slots [B, A, K, H]
         idx = (anchors[:, :, None] + torch.arange(k, device=anchors.device)).clamp_max(s - 1)
         prev = input_ids[rows[:, :, None], idx]  # [B, A, K]
         return self.heads(hidden[keep], prev[keep])
 
 
 def block_mask(
-    anchors: torch.Tensor, block_size: int, ctx_len: int, valid_ctx: torch.Tensor | None = None
+    anchors: torch.Tensor,
+    block_size: int,
+    ctx_len: int,
+    valid_ctx: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """[B, A*K, S + A*K] bool: slot -> (context position < its anchor) | (its own block)."""
+    """[B, A*K, S + A*K] bool: slot -> (context position < its anchor) | (its own block: every
+    slot of it, or with `causal` only itself and the slots before it)."""
     b, a = anchors.shape
     dev = anchors.device
     q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [B, Q]
@@ -374,6 +436,8 @@ def block_mask(
     sees_ctx = ctx_pos[None, None, :] < q_anchor[:, :, None]  # [B, Q, S]
     if valid_ctx is not None:
         sees_ctx &= ctx_pos[None, None, :] < valid_ctx[:, None, None]
-    q_block = torch.arange(a * block_size, device=dev) // block_size
-    same_block = (q_block[:, None] == q_block[None, :]).expand(b, -1, -1)  # [B, Q, Q]
-    return torch.cat((sees_ctx, same_block), dim=2)
+    q = torch.arange(a * block_size, device=dev)
+    same_block = (q[:, None] // block_size) == (q[None, :] // block_size)  # [Q, Q]
+    if causal:
+        same_block &= q[None, :] <= q[:, None]
+    return torch.cat((sees_ctx, same_block.expand(b, -1, -1)), dim=2)

@@ -40,6 +40,9 @@ class Batch:
     # unsupervised. Unlike `labels`, never the best of the draft tokens when the target's is
     # not one. None: not known (a batch built by hand).
     greedy: torch.Tensor | None = None
+    # [B, S] int64: each input token as a draft index, -1 outside the draft vocabulary or in
+    # padding (what a draft could copy from its input: train/diagnostics.py). None: not known.
+    draft_input: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -163,4 +166,5 @@ def collate(samples: list[Sample], head: TargetHead) -> Batch:
         p_target=p_target,
         p_ids=p_ids,
         greedy=greedy,
+        draft_input=head.draft_index[input_ids],
     )

@@ -138,12 +138,18 @@ class AcceptanceStats:
     greedy_blocks: int = 0
     decode_emitted: int = 0  # greedy decoding walked over the anchors (`add(..., at=)`)
     decode_steps: int = 0
+    # Greedy acceptance of slot k over the blocks whose slots before k were all accepted: the
+    # chain's links one by one, where pos_greedy mixes them with the slots before.
+    cond_sum: torch.Tensor | None = None  # [K]
+    cond_count: torch.Tensor | None = None  # [K]
 
     def __post_init__(self) -> None:
         self.accept_sum = torch.zeros(self.k, dtype=torch.float64)
         self.slot_count = torch.zeros(self.k, dtype=torch.float64)
         self.greedy_sum = torch.zeros(self.k, dtype=torch.float64)
         self.greedy_count = torch.zeros(self.k, dtype=torch.float64)
+        self.cond_sum = torch.zeros(self.k, dtype=torch.float64)
+        self.cond_count = torch.zeros(self.k, dtype=torch.float64)
 
     def add(
         self,
@@ -163,6 +169,11 @@ class AcceptanceStats:
             greedy = greedy.detach().double().cpu()
             self.greedy_sum += (greedy * mask).sum(0)
             self.greedy_count += mask.sum(0)
+            before = torch.ones_like(greedy)  # slot 0 has nothing before it
+            before[:, 1:] = greedy[:, :-1].cumprod(-1)
+            reached = mask & (before > 0)
+            self.cond_sum += (greedy * reached).sum(0)
+            self.cond_count += reached.sum(0)
             if full.any():
                 self.greedy_tau_sum += float(tau_sim(greedy[full]).sum())
                 self.greedy_blocks += int(full.sum())
@@ -204,6 +215,14 @@ class AcceptanceStats:
     def pos_greedy(self) -> list[float]:
         rate = self.greedy_sum / self.greedy_count.clamp_min(1)
         return [round(float(x), 4) for x in rate]
+
+    @property
+    def cond_greedy(self) -> list[float | None]:
+        """Per slot, greedy acceptance given every earlier slot accepted (None: never reached)."""
+        return [
+            round(float(a / n), 4) if n else None
+            for a, n in zip(self.cond_sum, self.cond_count, strict=True)
+        ]
 
     @property
     def tau_greedy(self) -> float:

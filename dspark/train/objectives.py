@@ -94,11 +94,15 @@ def anchor_rows(anchors: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return torch.stack((rows[ok], anchors[ok]), -1)
 
 
-def measured(out: dict, model: torch.nn.Module, max_anchors: int | None, anchors, ok) -> dict:
-    """In eval mode with every candidate an anchor, where each block sits: greedy decoding
-    can then be walked over them (AcceptanceStats.tau_decode)."""
+def measured(
+    out: dict, model: torch.nn.Module, max_anchors: int | None, anchors, ok, logits
+) -> dict:
+    """In eval mode with every candidate an anchor, where each block sits (greedy decoding can
+    then be walked over them: AcceptanceStats.tau_decode) and what each slot proposes (the
+    copy-bias check reads slot 0's: train/diagnostics.py)."""
     if not model.training and max_anchors is None:
         out["at"] = anchor_rows(anchors, ok)
+        out["proposed"] = logits.detach().argmax(-1)  # [N, K] draft indices
     return out
 
 
@@ -114,7 +118,7 @@ class DSparkObjective:
     def __call__(self, model: DSparkDraft, batch: Batch, gen: torch.Generator | None) -> dict:
         anchors, ok = pick_anchors(anchor_candidates(batch), self.max_anchors, gen)
         logits, conf = model.forward_train(batch.input_ids, batch.aux, anchors, ok)
-        t = gather_slots(batch, anchors, ok, model.cfg.block_size)
+        t = gather_slots(batch, anchors, ok, model.cfg.draft_slots)
         out = slot_losses(
             logits,
             t.p_target,
@@ -126,7 +130,7 @@ class DSparkObjective:
             p_ids=t.p_ids,
             greedy=None if model.training else t.greedy,  # measured, never trained on
         )
-        return measured(out, model, self.max_anchors, anchors, ok)
+        return measured(out, model, self.max_anchors, anchors, ok, logits)
 
     def skip(self, gen: torch.Generator, candidates: list[int]) -> None:
         skip_draws(gen, candidates, self.max_anchors)
@@ -152,7 +156,7 @@ class Eagle3Objective:
             p_ids=t.p_ids,
             greedy=None if model.training else t.greedy,
         )
-        return measured(out, model, self.max_anchors, chains, ok)
+        return measured(out, model, self.max_anchors, chains, ok, logits)
 
     def skip(self, gen: torch.Generator, candidates: list[int]) -> None:
         skip_draws(gen, candidates, self.max_anchors)

@@ -39,6 +39,7 @@ from dspark.models.vocab import build_draft_ids, count_tokens
 from dspark.stopping import on_signals
 from dspark.train.batch import TargetHead
 from dspark.train.checkpoint import save_draft
+from dspark.train.curves import fit_history
 from dspark.train.distributed import (
     CPU,
     Ranks,
@@ -118,6 +119,9 @@ def build_runs(
         draft_vocab_size=int(draft_ids.numel()),
         mask_token_id=mask_id,
         context_scale=d.context_scale,
+        sample_from_anchor=d.sample_from_anchor,
+        block_attention=d.block_attention,
+        feature_input=d.feature_input,
     )
     base = DSparkConfig(
         num_layers=d.num_layers,
@@ -150,7 +154,7 @@ def build_runs(
                 objective=DSparkObjective(dspark_weights, d.max_anchors),
                 eval_objective=DSparkObjective(dspark_weights, None),
                 optim=d.optim,
-                slots=cfg.block_size,
+                slots=cfg.draft_slots,
             )
         )
 
@@ -165,7 +169,14 @@ def build_runs(
     if "dflash" in t.drafts:
         f = t.dflash
         layer = widened("dflash", f.num_kv_heads) if f.num_kv_heads else block["layer"]
-        cfg = DFlashConfig(num_layers=f.num_layers or d.num_layers, **{**block, "layer": layer})
+        own = {  # the study's levers DFlash sets apart from DSpark's
+            k: getattr(f, k)
+            for k in ("sample_from_anchor", "block_attention", "feature_input")
+            if getattr(f, k) is not None
+        }
+        cfg = DFlashConfig(
+            num_layers=f.num_layers or d.num_layers, **{**block, "layer": layer, **own}
+        )
         torch.manual_seed(t.seed)
         model = DFlashDraft(cfg, embed, rows)
         with torch.no_grad():
@@ -181,7 +192,7 @@ def build_runs(
                 objective=DSparkObjective(weights, f.max_anchors or d.max_anchors),
                 eval_objective=DSparkObjective(weights, None),
                 optim=f.optim,
-                slots=cfg.block_size,
+                slots=cfg.draft_slots,
             )
         )
     if "eagle3" in t.drafts:
@@ -387,12 +398,15 @@ def summarize(runs: list[DraftRun], tokens: int) -> dict:
             "pos_accept": run.last_eval.get("pos_accept"),
             "tau_greedy": run.last_eval.get("tau_greedy"),
             "pos_greedy": run.last_eval.get("pos_greedy"),
+            "cond_greedy": run.last_eval.get("cond_greedy"),
+            "copy": run.last_eval.get("copy"),
             "tau_decode": run.last_eval.get("tau_decode"),
             "final_loss": run.last_eval.get("loss"),
             "tokens_per_s": round(tokens / run.wall_s, 1) if run.wall_s else None,
             "wall_s": round(run.wall_s, 2),
             "params": sum(p.numel() for p in run.params),
             "curve": run.curve,
+            "history": run.history,
         }
         if run.by_source:  # data.val_sources: the held-out figures of each source
             keys = ("tau_sim", "pos_accept", "tau_greedy", "pos_greedy", "tau_decode")
@@ -407,6 +421,21 @@ def summarize(runs: list[DraftRun], tokens: int) -> dict:
         out["markov_ablation"]["vanilla"] = {k: v for k, v in out["dspark"].items() if k != "curve"}
     if "dspark" in out and "eagle3" in out:
         out["goal"] = wall_clock_goal(out["dspark"]["curve"], out["eagle3"])
+    out["fits"] = curve_fits(runs)
+    return out
+
+
+def curve_fits(runs: list[DraftRun]) -> dict:
+    """Each draft's held-out tau_decode over steps, fitted (train/curves.py): its level, its
+    value at 2x and 10x this run's steps and, for the block drafts, the steps the fit needs to
+    reach EAGLE-3's final figure. Drafts with too few evaluations are left out."""
+    final = {r.name: r.last_eval.get("tau_decode") for r in runs}
+    out = {}
+    for run in runs:
+        fit = fit_history(run.history)
+        if fit is not None:
+            reach = final.get("eagle3") if run.name != "eagle3" else None
+            out[run.name] = fit.summary(reach)
     return out
 
 

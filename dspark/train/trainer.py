@@ -33,6 +33,7 @@ from dspark.schema import Sample
 from dspark.stopping import Stopped, StopRequest
 from dspark.train import checkpoint as ckpt
 from dspark.train.batch import Batch, TargetHead, collate
+from dspark.train.diagnostics import CopyBias, recent_tokens
 from dspark.train.distributed import Part, Ranks, data_parallel
 from dspark.train.losses import AcceptanceStats
 from dspark.train.objectives import anchor_candidates
@@ -89,6 +90,9 @@ class DraftRun:
     # hold the first three)
     curve: list[list[float]] = field(default_factory=list)
     last_eval: dict = field(default_factory=dict)
+    # Per held-out evaluation: step, tokens, wall_s, tau_decode and the per-slot greedy
+    # acceptance, marginal and conditional (the curves train/curves.py fits).
+    history: list[dict] = field(default_factory=list)
     by_source: dict[str, dict] = field(default_factory=dict)  # the last eval, per source
 
     def __post_init__(self) -> None:
@@ -179,11 +183,18 @@ def measure(model: nn.Module, objective: Callable, slots: int, batches: list[Bat
     """Held-out acceptance of `model` (put in eval mode) under `objective`, over `slots`."""
     model.eval()
     stats = AcceptanceStats(slots)
+    copies = CopyBias()
     losses = []
     for batch in batches:
         out = objective(model, batch, None)
         stats.add(out["accept"], out["mask"], out.get("greedy_accept"), out.get("at"))
         losses.append(float(out["loss"]))
+        if "proposed" in out and batch.greedy is not None and batch.draft_input is not None:
+            at = out["at"]
+            truth = batch.greedy[at[:, 0], at[:, 1]]  # slot 0's: the target's at the anchor
+            copies.add(
+                out["proposed"][:, 0], truth, recent_tokens(batch.draft_input, at, copies.window)
+            )
     tau, greedy = stats.tau, stats.tau_greedy
     result = {
         # None when no held-out block is supervised in every slot (very short responses)
@@ -195,9 +206,28 @@ def measure(model: nn.Module, objective: Callable, slots: int, batches: list[Bat
     if stats.measured_greedy:  # batches built by collate know the target's greedy tokens
         result["tau_greedy"] = None if math.isnan(greedy) else round(greedy, 4)
         result["pos_greedy"] = stats.pos_greedy
+        result["cond_greedy"] = stats.cond_greedy
     if stats.decode_steps:  # every candidate an anchor: greedy decoding walked over them
         result["tau_decode"] = round(stats.tau_decode, 4)
+    if copies.blocks:
+        result["copy"] = copies.summary()
     return result
+
+
+HISTORY_KEYS = ("tau_decode", "tau_greedy", "tau_sim", "pos_greedy", "cond_greedy", "copy")
+
+
+def slot_metrics(name: str, result: dict) -> dict[str, float | None]:
+    """One held-out evaluation's per-slot greedy acceptance (marginal `eval_greedy_slot<k>`,
+    conditional `eval_cond_slot<k>`) and copy rates, as flat metric names for the tracker."""
+    out: dict[str, float | None] = {}
+    for key, label in (("pos_greedy", "greedy"), ("cond_greedy", "cond")):
+        for k, rate in enumerate(result.get(key) or []):
+            out[f"{name}/eval_{label}_slot{k}"] = rate
+    for key, rate in (result.get("copy") or {}).items():
+        if key.startswith(("draft_", "target_", "excess_")):
+            out[f"{name}/eval_copy_{key}"] = rate
+    return out
 
 
 SourceFactory = Callable[[list[int]], AbstractContextManager[Source]]
@@ -389,6 +419,15 @@ class Trainer:
                 logged[f"{run.name}/eval_tau_decode/{name}"] = part.get("tau_decode")
             greedy = result.get("tau_greedy")
             run.curve.append([round(run.wall_s, 3), self.tokens, result["tau_sim"], greedy])
+            run.history.append(
+                {
+                    "step": self.step,
+                    "tokens": self.tokens,
+                    "wall_s": round(run.wall_s, 3),
+                    **{k: result.get(k) for k in HISTORY_KEYS},
+                }
+            )
+            logged.update(slot_metrics(run.name, result))
             logged[f"{run.name}/eval_tau_sim"] = result["tau_sim"]
             logged[f"{run.name}/eval_tau_greedy"] = greedy
             logged[f"{run.name}/eval_tau_decode"] = result.get("tau_decode")
@@ -423,7 +462,12 @@ class Trainer:
                     "eval_s": self.eval_s,
                     "loop_s": self.loop_s,
                     "runs": {
-                        r.name: {"wall_s": r.wall_s, "curve": r.curve, "last_eval": r.last_eval}
+                        r.name: {
+                            "wall_s": r.wall_s,
+                            "curve": r.curve,
+                            "last_eval": r.last_eval,
+                            "history": r.history,
+                        }
                         for r in self.runs
                     },
                 },
@@ -450,6 +494,7 @@ class Trainer:
                 saved["curve"],
                 saved["last_eval"],
             )
+            run.history = saved.get("history", [])  # checkpoints of older code have none
         self.step, self.tokens = state["step"], state["tokens"]
         self.data_wait_s, self.eval_s = state["data_wait_s"], state["eval_s"]
         self.loop_s = state["loop_s"]

@@ -571,3 +571,42 @@ def test_the_last_evaluation_is_also_measured_per_validation_source(
     assert dspark["curve"][-1][2:] == [dspark["tau_sim"], dspark["tau_greedy"]]
     # the sweep's default ranking key is one this file carries, with a value
     assert 1.0 <= _dig(figures, DEFAULT_METRIC) <= 1 + params.train.dspark.block_size
+
+
+def test_the_block_study_levers_reach_both_block_drafts_and_their_measure(
+    smoke_params, tiny_target, samples
+):
+    """train.dspark's layout, block attention and feature input build DSpark (and DFlash unless
+    it sets its own); a trained step and the held-out measure then run over the drafting slots
+    only, with the per-slot conditional acceptance and the copy check beside them."""
+    from dspark.config import Params
+
+    tree = tiny_params(smoke_params).model_dump()
+    tree["train"]["dspark"].update(
+        sample_from_anchor=False, block_attention="causal", feature_input="first"
+    )
+    tree["train"]["dflash"].update(feature_input="all")
+    params = Params.model_validate(tree)
+    draft_ids = build_draft_ids(count_tokens(samples, tiny_target.vocab_size), 256)
+    runs = {r.name: r for r in build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)}
+    block = params.train.dspark.block_size
+    for name, feature in (("dspark", "first"), ("dflash", "all")):
+        cfg = runs[name].model.cfg
+        assert (cfg.sample_from_anchor, cfg.block_attention, cfg.feature_input) == (
+            False,
+            "causal",
+            feature,
+        )
+        assert runs[name].slots == cfg.draft_slots == block - 1
+    batch = collate(samples[:4], TargetHead(tiny_target.norm, tiny_target.lm_head, draft_ids))
+    run = runs["dspark"]
+    before = run.model.feature_fc.weight.detach().clone()
+    metrics = run.step(batch, 0, 10, seed=0, prep_s=0.0)
+    assert not torch.equal(run.model.feature_fc.weight, before)  # it learns from its zero start
+    assert [f"accept_{k}" in metrics for k in range(block)] == [True] * (block - 1) + [False]
+    held = run.measure([batch])
+    assert len(held["pos_greedy"]) == len(held["cond_greedy"]) == block - 1
+    assert held["cond_greedy"][0] == held["pos_greedy"][0]  # slot 0 has nothing before it
+    copy = held["copy"]
+    assert copy["blocks"] > 0 and 0.0 <= copy["draft_recent"] <= 1.0
+    assert copy["draft_anchor"] <= copy["draft_recent"]  # the anchor is one of the recent

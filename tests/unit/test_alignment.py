@@ -86,7 +86,7 @@ class TargetAsDraft(torch.nn.Module):
     def __init__(self, target, shift: int = 0):
         super().__init__()
         self.target, self.shift = target, shift
-        self.cfg = type("Cfg", (), {"block_size": K, "ttt_steps": K})()
+        self.cfg = type("Cfg", (), {"block_size": K, "draft_slots": K, "ttt_steps": K})()
 
     def _logits(self, input_ids, anchors, keep):
         with torch.no_grad():

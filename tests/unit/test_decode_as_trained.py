@@ -70,12 +70,22 @@ class Spliced(Recorded):
         return Proposal(torch.where(front, right, own.tokens), own.k_row, None, own.confidence)
 
 
-def draft(varied, kind, block=4):
-    (dspark, ids), (eagle, _) = tiny_drafts(varied, block)
+# The block-draft study's levers (DSparkConfig), each decoded as it was trained.
+LEVERS = {
+    "anchor_bonus": {"sample_from_anchor": False},
+    "causal": {"block_attention": "causal"},
+    "feature_first": {"feature_input": "first"},
+    "feature_all_bonus": {"feature_input": "all", "sample_from_anchor": False},
+}
+
+
+def draft(varied, kind, block=4, levers=None):
+    levers = levers or {}
+    (dspark, ids), (eagle, _) = tiny_drafts(varied, block, **levers)
     if kind == "eagle3":
         return Eagle3Proposer(eagle, ids), eagle, ids
     if kind == "dflash":
-        model, ids = tiny_dflash(varied, block)
+        model, ids = tiny_dflash(varied, block, **levers)
         return DFlashProposer(model, ids), model, ids
     proposer = DSparkProposer(dspark, ids, held=16)
     proposer.holding = kind == "dspark_holding"  # `dspark_adaptive`'s deferred context writes
@@ -101,11 +111,16 @@ def trained_logits(kind, model, ids: list[int], aux: torch.Tensor, anchor: int):
         return logits[0]
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dspark_holding", "dflash", "eagle3"])
+CASES = [(kind, None) for kind in ("dspark", "dspark_holding", "dflash", "eagle3")] + [
+    (kind, name) for name in LEVERS for kind in ("dspark", "dspark_holding", "dflash")
+]
+
+
+@pytest.mark.parametrize(("kind", "lever"), CASES)
 def test_every_step_drafts_what_training_drafts_at_its_anchor(
-    kind, llama, varied, prompts, reference
+    kind, lever, llama, varied, prompts, reference
 ):
-    inner, model, draft_ids = draft(varied, kind)
+    inner, model, draft_ids = draft(varied, kind, levers=LEVERS.get(lever))
     final = [p + r for p, r in zip(prompts, reference, strict=True)]
     spliced = Spliced(inner, [f + [0] * (inner.k + 1) for f in final])
     traces, _ = SpecDecoder(llama, spliced, varied.eos_token_id, 2048).generate(prompts, NEW)
@@ -127,15 +142,15 @@ def test_every_step_drafts_what_training_drafts_at_its_anchor(
     assert checked == sum(len(t.accepted) for t in traces)
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dspark_holding", "dflash", "eagle3"])
+@pytest.mark.parametrize(("kind", "lever"), [*CASES[:4], ("dspark", "feature_all_bonus")])
 def test_a_row_that_ends_on_a_whole_block_leaves_the_others_decoding(
-    kind, llama, varied, prompts, reference
+    kind, lever, llama, varied, prompts, reference
 ):
     """The longest prompt's row accepts every draft, so its last step ends k tokens past its
     budget while the other rows decode on. The drafter must keep the finished row's drafts
     inside its cache (EAGLE-3 wrote them up to 2k past the budget, one block more than the
     cache holds: run 5's evaluation, 2026-12-05)."""
-    inner, _, _ = draft(varied, kind, block=6)
+    inner, _, _ = draft(varied, kind, block=6, levers=LEVERS.get(lever))
     k = inner.k
     budget = 2 * k + 4  # the first token, then three whole blocks of k + 1: k past the budget
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))

@@ -124,10 +124,50 @@ def test_a_dflash_draft_exports_as_speculators_dflash_and_comes_back(tmp_path):
     assert type(back) is DFlashDraft and back.cfg == model.cfg and torch.equal(back_ids, ids)
     assert export.roundtrip_diff(model, back) == 0.0
 
-    # speculators' DFlash default leaves slot 0 out of the draft: not what we can run
+    # speculators' DFlash default leaves slot 0 out of the draft: the anchor-as-bonus layout
     del doc["sample_from_anchor"]
     (out / "config.json").write_text(json.dumps(doc))
-    with pytest.raises(DataError, match="sample_from_anchor false"):
+    bonus, _ = import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))
+    assert bonus.cfg.sample_from_anchor is False and bonus.cfg.draft_slots == 3
+
+
+@pytest.mark.parametrize(
+    "levers",
+    [
+        {"sample_from_anchor": False},
+        {"block_attention": "causal"},
+        {"feature_input": "first"},
+        {"feature_input": "all", "sample_from_anchor": False, "block_attention": "causal"},
+    ],
+)
+@pytest.mark.parametrize("cls", [DSparkConfig, DFlashConfig])
+def test_every_lever_exports_and_comes_back_as_it_was(tmp_path, cls, levers):
+    """The layout travels in speculators' own field; levers the format has no field for travel
+    as extensions under our key, and only when set off their plain value."""
+    torch.manual_seed(0)
+    embed = nn.Embedding(VOCAB, SHAPE.hidden_size)
+    cfg = tiny_config(cls, **levers)
+    model = (DSparkDraft if cls is DSparkConfig else DFlashDraft)(
+        cfg, embed, torch.randn(DRAFT_VOCAB, SHAPE.hidden_size)
+    )
+    for p in model.parameters():  # feature_fc starts at zero: a lost weight would not show
+        nn.init.normal_(p, std=0.2)
+    ids = torch.arange(DRAFT_VOCAB) * 2
+    out = tmp_path / "export"
+    doc = export_speculators(model, ids, out, verifier_config=VERIFIER, verifier_path="verifier")
+    assert doc["sample_from_anchor"] is cfg.sample_from_anchor
+    assert doc["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == (
+        cfg.draft_slots
+    )
+    extensions = (doc.get(export.DSPARK_KEY) or {}).get("extensions", {})
+    assert extensions == {k: v for k, v in levers.items() if k in export.EXTENSIONS}
+    back, _ = import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))
+    assert back.cfg == model.cfg
+    assert export.roundtrip_diff(model, back) == 0.0
+
+    doc[export.DSPARK_KEY] = {"extensions": {"block_shape": "star"}}
+    (out / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(DataError, match="extensions: unknown block_shape"):
         import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))
 
 

@@ -58,7 +58,8 @@ class Random(Proposer):
         return Proposal(torch.where(keep, right, noise), k_row)
 
 
-def tiny_drafts(varied, block=4):
+def tiny_drafts(varied, block=4, **levers):
+    """DSpark (its block built as `levers` say: DSparkConfig's study options) and EAGLE-3."""
     cfg = varied.model.config.to_dict()
     shape = LayerShape.from_hf(cfg)
     torch.manual_seed(0)
@@ -69,7 +70,9 @@ def tiny_drafts(varied, block=4):
         draft_vocab_size=DRAFT_VOCAB,
     )  # fmt: skip
     dspark = DSparkDraft(
-        DSparkConfig(num_layers=2, block_size=block, mask_token_id=0, markov_rank=16, **common),
+        DSparkConfig(
+            num_layers=2, block_size=block, mask_token_id=0, markov_rank=16, **common, **levers
+        ),
         varied.embed,
         rows,
     )
@@ -82,7 +85,7 @@ def tiny_drafts(varied, block=4):
     return (dspark, draft_ids), (eagle, draft_ids)
 
 
-def tiny_dflash(varied, block=4):
+def tiny_dflash(varied, block=4, **levers):
     """A DFlash draft over the same draft vocabulary as tiny_drafts' (same seed)."""
     cfg = varied.model.config.to_dict()
     torch.manual_seed(0)
@@ -95,6 +98,7 @@ def tiny_dflash(varied, block=4):
         vocab_size=varied.vocab_size,
         draft_vocab_size=DRAFT_VOCAB,
         mask_token_id=0,
+        **levers,
     )
     model = DFlashDraft(cfg, varied.embed, varied.lm_head.weight[draft_ids].detach())
     for name, p in model.named_parameters():
