@@ -154,20 +154,26 @@ def _extract(ctx: StageContext) -> dict:
 ANSWERING = ("prepare.engine", "prepare.max_prompt_tokens", "prepare.max_new_tokens")
 
 
-def _train(ctx: StageContext) -> dict:
-    from dspark.train.stage import TrainPaths, train
+def train_paths(root: Path):
+    """The train stage's inputs and outputs in the repository at `root`."""
+    from dspark.train.stage import TrainPaths
 
-    paths = TrainPaths(
-        target=ctx.path(TARGET_DIR),
-        shards=ctx.path(SHARDS),
-        hidden=ctx.path(HIDDEN),
-        drafts=ctx.path(DRAFTS),
-        checkpoint=ctx.path(TRAIN_CHECKPOINT),
-        curves_csv=ctx.path(TRAIN_CURVES),
-        curves_png=ctx.path(TRAIN_CURVES_PNG),
-        events=ctx.path(BY_NAME["train"].events),
+    return TrainPaths(
+        target=root / TARGET_DIR,
+        shards=root / SHARDS,
+        hidden=root / HIDDEN,
+        drafts=root / DRAFTS,
+        checkpoint=root / TRAIN_CHECKPOINT,
+        curves_csv=root / TRAIN_CURVES,
+        curves_png=root / TRAIN_CURVES_PNG,
+        events=root / BY_NAME["train"].events,
     )
-    return train(ctx.params, paths, progress=ctx.progress)
+
+
+def _train(ctx: StageContext) -> dict:
+    from dspark.train.stage import train
+
+    return train(ctx.params, train_paths(ctx.root), progress=ctx.progress)
 
 
 def _export(ctx: StageContext) -> dict:

@@ -14,6 +14,16 @@ prepare stage keeps disjoint from the evaluation prompts: a sweep never sees the
 2026-12-05 ranked by tau_sim, a per-position mean that overstates what decoding gets wherever
 acceptance comes in stretches.
 
+A study compares arms at equal compute and over seeds:
+
+    python -m flows.sweep --name slot0 --equal-compute 1500 --seeds 0,1 \
+        --point 'train.dspark.feature_input=none' --point 'train.dspark.feature_input=first'
+
+`--equal-compute N` first measures every point's optimizer step side by side on the same
+batches (dspark/train/cost.py; run it with nothing else on the machine), then gives the first
+point N steps and every other point the steps the same compute buys it (`train.max_steps`);
+the table keeps each point's step_s. `--seeds` runs every point once per `train.seed`.
+
 `dvc exp run -S` writes into params.yaml, so the file is restored after every point and points
 never accumulate. The table, one row per point ranked by `--metric`, goes to
 metrics/sweeps/<name>.csv (and .json, with the command that made it).
@@ -117,6 +127,9 @@ def sweep(
     root: str = str(ROOT),
     first: int = 0,
     columns: tuple[str, ...] = (),
+    equal_compute: int | None = None,
+    seeds: tuple[int, ...] = (),
+    cost_batches: int = 4,
 ) -> list[dict]:
     logger = get_run_logger()
     root_path = Path(root)
@@ -126,7 +139,15 @@ def sweep(
     settings = [{**fixed, **p} for p in points]
     stages.check_profile_sections(params_file)
     for s in settings:  # every point validates before the first one runs
-        load_params(params_file, overrides=[f"{k}={_cli_value(v)}" for k, v in s.items()])
+        load_params(params_file, overrides=overrides(s))
+    step_s: list[float | None] = [None] * len(settings)
+    if equal_compute:
+        settings, step_s = _equal_compute(root_path, settings, equal_compute, cost_batches)
+        for s, cost in zip(settings, step_s, strict=True):
+            logger.info("%s: %.3f s a step -> %d steps", s, cost, s["train.max_steps"])
+    if seeds:
+        step_s = [c for c in step_s for _ in seeds]
+        settings = [{**s, "train.seed": seed} for s in settings for seed in seeds]
     params = load_params(params_file)
     tracker = Tracker(params, root_path)
     parent = tracker.start(
@@ -158,6 +179,8 @@ def sweep(
             tracker.metrics(child, doc)
             tracker.finish(child, True)
             row = {"exp": exp, **{k: _cli_value(v) for k, v in point.items()}}
+            if step_s[i - first] is not None:
+                row["step_s"] = round(step_s[i - first], 4)
             for key in (metric, *columns):
                 row[key] = _dig(doc, key)
             row["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -172,6 +195,27 @@ def sweep(
                 tmp.write_bytes(data)
         dvc(["checkout"], root_path)  # every stage's: a point may rerun those upstream
     return _write_table(stem, rows, metric, params.profile)
+
+
+def overrides(setting: dict[str, object]) -> list[str]:
+    return [f"{k}={_cli_value(v)}" for k, v in setting.items()]
+
+
+def _equal_compute(
+    root: Path, settings: list[dict], baseline_steps: int, batches: int
+) -> tuple[list[dict], list[float]]:
+    """Each setting with the `train.max_steps` that buys it the first one's compute at
+    `baseline_steps`, and the measured seconds per step behind it."""
+    from dspark.train.cost import equal_steps, measure_step_costs
+
+    params_file = root / "params.yaml"
+    points = [load_params(params_file, overrides=overrides(s)) for s in settings]
+    costs = measure_step_costs(points, stages.train_paths(root), batches)
+    steps = equal_steps(costs, baseline_steps)
+    return (
+        [{**s, "train.max_steps": n} for s, n in zip(settings, steps, strict=True)],
+        [c.step_s for c in costs],
+    )
 
 
 def _write_table(stem: Path, rows: list[dict], metric: str, profile: str) -> list[dict]:
@@ -194,6 +238,27 @@ def _write_table(stem: Path, rows: list[dict], metric: str, profile: str) -> lis
     return rows
 
 
+def parse_seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r}: comma-separated integers") from None
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds {text!r}: a seed twice")
+    return seeds
+
+
+def check_equal_compute(steps: int, batches: int, stage: str, fixed: dict, points: list) -> None:
+    if steps < 1:
+        raise ConfigError(f"--equal-compute {steps}: at least 1 step")
+    if batches < 2:
+        raise ConfigError(f"--cost-batches {batches}: at least 2 (the first warms up)")
+    if stage != "train":
+        raise ConfigError(f"--equal-compute: step costs are the train stage's, not {stage}'s")
+    if any("train.max_steps" in p for p in (fixed, *points)):
+        raise ConfigError("--equal-compute sets train.max_steps: leave it out of --set/--point")
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -210,11 +275,24 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="another dotted key of the metrics file to tabulate (e.g. eagle3.tau_decode)",
     )
+    ap.add_argument(
+        "--equal-compute",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="the first point's steps; every other point gets the steps its measured step cost "
+        "buys with the same compute (sets train.max_steps)",
+    )
+    ap.add_argument("--cost-batches", type=int, default=4, help="batches the step cost is timed on")
+    ap.add_argument("--seeds", default="", help="comma-separated train.seed values per point")
     args = ap.parse_args(argv)
     try:
         points = [parse_point(p) for p in args.point]
         fixed = parse_point(" ".join(args.set)) if args.set else {}
         stages.get(args.stage)
+        seeds = parse_seeds(args.seeds)
+        if args.equal_compute is not None:
+            check_equal_compute(args.equal_compute, args.cost_batches, args.stage, fixed, points)
     except (ConfigError, KeyError) as e:
         print(f"sweep: error: {e}", file=sys.stderr)
         return 2
@@ -226,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         args.metric,
         first=args.first,
         columns=tuple(args.column),
+        equal_compute=args.equal_compute,
+        seeds=seeds,
+        cost_batches=args.cost_batches,
     )
     for r in rows:
         print("  ".join(f"{k}={v}" for k, v in r.items()))

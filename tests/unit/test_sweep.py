@@ -7,7 +7,15 @@ import json
 import pytest
 
 from dspark.errors import ConfigError
-from flows.sweep import _write_table, dvc_sets, parse_point, workspace_files
+from flows.sweep import (
+    _write_table,
+    check_equal_compute,
+    dvc_sets,
+    main,
+    parse_point,
+    parse_seeds,
+    workspace_files,
+)
 
 
 def test_a_point_splits_on_spaces_outside_brackets():
@@ -68,3 +76,30 @@ def test_the_sweep_puts_back_what_the_upstream_stages_rewrite(tmp_path):
         "metrics/train.json",
         "plots/train_curves.csv",
     }
+
+
+def test_seeds_and_equal_compute_are_checked_before_anything_runs():
+    assert parse_seeds("0, 1,2") == (0, 1, 2) and parse_seeds("") == ()
+    with pytest.raises(ConfigError, match="comma-separated integers"):
+        parse_seeds("0,one")
+    with pytest.raises(ConfigError, match="a seed twice"):
+        parse_seeds("1,1")
+    point = [{"train.dspark.feature_input": "first"}]
+    check_equal_compute(1500, 4, "train", {}, point)
+    for args, message in (
+        ((0, 4, "train", {}, point), "at least 1 step"),
+        ((1500, 1, "train", {}, point), "the first warms up"),
+        ((1500, 4, "evaluate", {}, point), "train stage's, not evaluate's"),
+        ((1500, 4, "train", {"train.max_steps": 9}, point), "leave it out"),
+        ((1500, 4, "train", {}, [{"train.max_steps": 9}]), "leave it out"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            check_equal_compute(*args)
+
+
+def test_the_cli_refuses_a_bad_study_in_one_line(capsys):
+    assert (
+        main(["--name", "s", "--point", "a=1", "--equal-compute", "10", "--stage", "export"]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert err == "sweep: error: --equal-compute: step costs are the train stage's, not export's"
