@@ -76,22 +76,51 @@ def write_json(path: Path, obj: object) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's data and metadata to the disk (a rename alone survives
+    a killed process, not a lost machine: the renamed file may still be empty then)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def old_name(path: Path) -> Path:
+    """Where atomic_dir parks the folder it replaces, for the instant of the swap."""
+    return path.with_name(f".{path.name}.old")
+
+
 @contextmanager
-def atomic_dir(path: Path) -> Iterator[Path]:
-    """Build a directory under a temporary name; swap it into place only if the block succeeds."""
+def atomic_dir(
+    path: Path, *, durable: bool = False, keep_previous: Path | None = None
+) -> Iterator[Path]:
+    """Build a directory under a temporary name; swap it into place only if the block succeeds.
+
+    `durable`: every file, the folder and its parent reach the disk before and after the swap.
+    `keep_previous`: the folder replaced moves there (over what was there) instead of going."""
     path = Path(path)
     ensure_writable_dir(path.parent)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     tmp.chmod(0o755)
     try:
         yield tmp
+        if durable:
+            for f in tmp.rglob("*"):
+                fsync_path(f)
+            fsync_path(tmp)
         if path.exists():
-            old = path.with_name(f".{path.name}.old")
+            old = old_name(path)
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
             os.replace(tmp, path)
+            if keep_previous is not None:
+                shutil.rmtree(keep_previous, ignore_errors=True)
+                os.replace(old, keep_previous)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+        if durable:
+            fsync_path(path.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -10,6 +10,7 @@ Folders are written under a temporary name and renamed into place. Reading a dra
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -125,3 +126,33 @@ def read_optimizer(path: Path) -> dict[str, torch.Tensor]:
 
 def read_state(folder: Path) -> dict:
     return read_json(Path(folder) / "state.json")
+
+
+def file_digests(folder: Path) -> dict[str, dict]:
+    """{name: {"bytes", "sha256"}} of every file in `folder`: what a resume verifies."""
+    return {
+        f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+        for f in sorted(Path(folder).iterdir())
+        if f.is_file()
+    }
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_files(folder: Path, digests: dict[str, dict]) -> None:
+    """Raise DataError naming the first file whose size or checksum is not what was written."""
+    for name, want in digests.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            raise DataError(f"{path}: missing")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise DataError(f"{path}: {size} bytes, {want['bytes']} written")
+        if sha256_file(path) != want["sha256"]:
+            raise DataError(f"{path}: checksum differs from the one written")

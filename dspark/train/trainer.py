@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import signal
 import time
@@ -26,7 +27,7 @@ from torch import nn
 
 from dspark.config import OptimConfig, TrainConfig
 from dspark.errors import DataError
-from dspark.io import atomic_dir, write_json
+from dspark.io import atomic_dir, old_name, write_json
 from dspark.metrics import EventLog
 from dspark.progress import bar as progress_bar
 from dspark.schema import Sample
@@ -40,6 +41,7 @@ from dspark.train.objectives import anchor_candidates
 from dspark.train.sources import Source, epoch_plan
 
 STATE = "state.json"
+log = logging.getLogger("dspark.train")
 
 
 def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
@@ -442,17 +444,29 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------------
 
+    @property
+    def previous_checkpoint(self) -> Path:
+        """The checkpoint before the newest, kept in case the newest is damaged on disk."""
+        return self.checkpoint_dir.with_name(self.checkpoint_dir.name + ".previous")
+
     def save_checkpoint(self, epoch: int, batch: int) -> None:
+        """Written whole under a temporary name, on the disk before it replaces the newest,
+        which becomes the previous; state.json, written last, holds every other file's size
+        and checksum."""
         if not self.leader:
             return
-        with atomic_dir(self.checkpoint_dir) as tmp:
+        with atomic_dir(
+            self.checkpoint_dir, durable=True, keep_previous=self.previous_checkpoint
+        ) as tmp:
             for run in self.runs:
                 tensors = ckpt.host_tensors(run.model.state_dict())
                 ckpt.save_tensors(tmp / f"{run.name}.safetensors", tensors)
                 ckpt.save_optimizer(tmp / f"{run.name}.optim.safetensors", run.optimizer, run.names)
+            files = ckpt.file_digests(tmp)
             write_json(
                 tmp / STATE,
                 {
+                    "files": files,
                     "fingerprint": self.fingerprint,
                     "epoch": epoch,
                     "batch": batch,
@@ -473,20 +487,50 @@ class Trainer:
                 },
             )
 
+    def _checkpoint_to_resume(self) -> tuple[Path, dict] | None:
+        """The newest undamaged checkpoint of this run and its state, saying on one line when
+        a damaged one is passed over; None: start over."""
+        candidates = [self.checkpoint_dir, self.previous_checkpoint, old_name(self.checkpoint_dir)]
+        damaged: list[str] = []
+        for folder in candidates:
+            if not (folder / STATE).is_file():
+                if folder.is_dir() and any(folder.iterdir()):  # state.json goes in last
+                    damaged.append(f"{folder / STATE}: missing")
+                continue
+            try:
+                state = ckpt.read_state(folder)
+                if not self._belongs(state):
+                    continue  # another configuration's checkpoint: it is replaced
+                ckpt.verify_files(folder, state.get("files", {}))
+            except DataError as e:
+                damaged.append(str(e))
+                continue
+            if damaged:
+                log.warning(
+                    "train: damaged checkpoint passed over (%s); resuming from %s at step %d",
+                    "; ".join(damaged),
+                    folder,
+                    state["step"],
+                )
+            return folder, state
+        if damaged:
+            log.warning("train: no undamaged checkpoint (%s); starting over", "; ".join(damaged))
+        return None
+
+    def _belongs(self, state: dict) -> bool:
+        names = {r.name for r in self.runs}
+        return state.get("fingerprint") == self.fingerprint and set(state.get("runs", {})) == names
+
     def _resume(self) -> tuple[int, int]:
-        """Load the checkpoint if it belongs to this run; -> (epoch, batch) to continue at."""
-        state_path = self.checkpoint_dir / STATE
-        if not state_path.is_file():
+        """Load the newest undamaged checkpoint of this run; -> (epoch, batch) to continue at."""
+        found = self._checkpoint_to_resume()
+        if found is None:
             return 0, 0
-        state = ckpt.read_state(self.checkpoint_dir)
-        if state.get("fingerprint") != self.fingerprint or set(state.get("runs", {})) != {
-            r.name for r in self.runs
-        }:
-            return 0, 0  # another configuration's checkpoint: start over (it is replaced)
+        folder, state = found
         for run in self.runs:
-            where = self.checkpoint_dir / f"{run.name}.safetensors"
+            where = folder / f"{run.name}.safetensors"
             ckpt.load_state(run.model, ckpt.load_tensors(where), where)
-            opt_path = self.checkpoint_dir / f"{run.name}.optim.safetensors"
+            opt_path = folder / f"{run.name}.optim.safetensors"
             ckpt.load_optimizer(run.optimizer, run.names, ckpt.read_optimizer(opt_path), opt_path)
             saved = state["runs"][run.name]
             run.wall_s, run.curve, run.last_eval = (

@@ -1,6 +1,7 @@
 """Training on the tiny target: learning, resume, checkpoints and the export round trip."""
 
 import csv
+import logging
 import signal
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -610,3 +611,66 @@ def test_the_block_study_levers_reach_both_block_drafts_and_their_measure(
     copy = held["copy"]
     assert copy["blocks"] > 0 and 0.0 <= copy["draft_recent"] <= 1.0
     assert copy["draft_anchor"] <= copy["draft_recent"]  # the anchor is one of the recent
+
+
+@pytest.mark.parametrize("damage", ["truncate_weights", "flip_optimizer_byte", "no_state"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+    smoke_params, tiny_target, samples, tmp_path, caplog, damage
+):
+    """The newest checkpoint damaged on disk (a weights file cut short, a byte flipped in an
+    optimizer file, its state gone): resume verifies it against the sizes and checksums
+    state.json holds, says so on one line, continues from the previous one, and ends exactly
+    where an uninterrupted run ends: every batch seen once, none lost."""
+    params = tiny_params(smoke_params)  # checkpoints at steps 3 and 6 of 8
+    ids = [s.sample_id for s in samples]
+    train_ids, eval_ids = ids[2:], ids[:2]
+    whole = make_trainer(params, tiny_target, samples, tmp_path / "a")
+    whole.fit(memory_source(samples), train_ids, eval_ids)
+
+    folder = tmp_path / "b"
+    broken = make_trainer(params, tiny_target, samples, folder)
+    with pytest.raises(KeyboardInterrupt):  # dies in step 7: checkpoints at 3 (previous) and 6
+        broken.fit(memory_source(samples, fail_after=1 + 7), train_ids, eval_ids)
+    previous = folder.with_name("b.previous")
+    assert read_state(folder)["step"] == 6 and read_state(previous)["step"] == 3
+    if damage == "truncate_weights":
+        weights = folder / "dspark.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "flip_optimizer_byte":
+        opt = folder / "eagle3.optim.safetensors"
+        data = bytearray(opt.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        opt.write_bytes(bytes(data))
+    else:
+        (folder / "state.json").unlink()
+
+    caplog.set_level(logging.WARNING, logger="dspark.train")
+    resumed = make_trainer(params, tiny_target, samples, folder)
+    resumed.fit(memory_source(samples), train_ids, eval_ids)
+    assert resumed.resumed_from == 3 and resumed.step == 8
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "dspark.train"]
+    assert line.startswith(f"train: damaged checkpoint passed over ({folder}/")
+    assert line.endswith(f"resuming from {previous} at step 3") and "\n" not in line
+    for a, b in zip(whole.runs, resumed.runs, strict=True):
+        sa, sb = a.model.state_dict(), b.model.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), f"{a.name} weights differ"
+        assert [p[1:] for p in a.curve] == [p[1:] for p in b.curve]
+
+
+def test_with_both_checkpoints_damaged_training_starts_over_and_says_why(
+    smoke_params, tiny_target, samples, tmp_path, caplog
+):
+    params = tiny_params(smoke_params)
+    ids = [s.sample_id for s in samples]
+    folder = tmp_path / "b"
+    broken = make_trainer(params, tiny_target, samples, folder)
+    with pytest.raises(KeyboardInterrupt):
+        broken.fit(memory_source(samples, fail_after=1 + 7), ids[2:], ids[:2])
+    for f in (folder / "dspark.safetensors", folder.with_name("b.previous") / "dspark.safetensors"):
+        f.write_bytes(b"")
+    caplog.set_level(logging.WARNING, logger="dspark.train")
+    again = make_trainer(params, tiny_target, samples, folder)
+    assert again._resume() == (0, 0) and again.step == 0
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "dspark.train"]
+    assert line.startswith("train: no undamaged checkpoint (") and line.endswith("starting over")
+    assert "dspark.safetensors: 0 bytes" in line
