@@ -10,7 +10,6 @@ Folders are written under a temporary name and renamed into place. Reading a dra
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from safetensors.torch import save_file as _save_file
 from torch import nn
 
 from dspark.errors import DataError
-from dspark.io import write_json
+from dspark.io import sha256_file, write_json
 
 FORMAT = "dspark-draft"
 FORMAT_VERSION = 1
@@ -135,14 +134,6 @@ def file_digests(folder: Path) -> dict[str, dict]:
         for f in sorted(Path(folder).iterdir())
         if f.is_file()
     }
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def verify_files(folder: Path, digests: dict[str, dict]) -> None:

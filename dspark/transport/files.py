@@ -8,14 +8,18 @@ with no shards: a receipt of what streamed through, and a DVC output the train s
 A long extraction checkpoints: every shard, once on disk, is also listed in `resume.json`, with
 a fingerprint of what the states depend on. A writer opened later on the folder with the same
 fingerprint keeps those shards and goes on after them (the samples it has are `resumed`, for
-the stream to skip); another fingerprint starts over. Closing replaces the file by the manifest,
-which keeps the fingerprint: a finished extraction run again (DVC reruns it when its code
-changes) keeps every shard. The manifest holds no timings, so the same states hash the same.
+the stream to skip); another fingerprint starts over. Each shard's size and sha256 are listed
+beside it, and an adopted shard that no longer matches (cut short, a byte flipped, gone) is
+dropped with its samples, which the stream then extracts again. Closing replaces the file by
+the manifest, which keeps the fingerprint: a finished extraction run again (DVC reruns it when
+its code changes) keeps every shard. The manifest holds no timings, so the same states hash
+the same.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +28,19 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dspark.errors import DataError
-from dspark.io import atomic_path, ensure_writable_dir, read_json_manifest, write_json
+from dspark.io import (
+    atomic_path,
+    ensure_writable_dir,
+    read_json_manifest,
+    sha256_file,
+    write_json,
+)
 from dspark.schema import SCHEMA_VERSION, Sample
 from dspark.transport.wire import crc32, verify
 
 MANIFEST = "manifest.json"
 RESUME = "resume.json"
+log = logging.getLogger("dspark.extract")
 
 
 class HiddenShardWriter:
@@ -44,6 +55,7 @@ class HiddenShardWriter:
         self.keep_payload = keep_payload
         self.fingerprint = fingerprint
         self.entries: list[dict] = []
+        self.shard_files: dict[str, dict] = {}  # shard name -> {"bytes", "sha256"} as written
         self.attempts: list[dict] = []  # earlier writers' wall time and samples, oldest first
         self._pending: list[Sample] = []
         self._shards = 0
@@ -74,12 +86,38 @@ class HiddenShardWriter:
             if (
                 doc.get("fingerprint") == self.fingerprint
                 and doc.get("payload", True)
-                and all(isinstance(s, str) and (self.folder / s).is_file() for s in shards)
+                and all(isinstance(s, str) for s in shards)
             ):
-                self.entries = samples
+                files = doc.get("shard_files") or {}
+                bad = {name: why for name in shards if (why := self._damage(name, files.get(name)))}
+                self.entries = [e for e in samples if e["shard"] not in bad]
+                self.shard_files = {k: v for k, v in files.items() if k in shards and k not in bad}
                 self.attempts = doc.get("attempts", [])
-                self._shards = len(shards)
+                kept = shards - set(bad)
+                self._shards = 1 + max((shard_index(n) for n in kept), default=-1)
+                if bad:
+                    log.warning(
+                        "extract: damaged shards dropped (%s); their %d samples are extracted "
+                        "again",
+                        "; ".join(f"{self.folder / n}: {why}" for n, why in sorted(bad.items())),
+                        len(samples) - len(self.entries),
+                    )
                 return
+
+    def _damage(self, name: str, written: dict | None) -> str | None:
+        """Why the shard `name` is not what was written (None: it is). Shards listed before
+        their sizes and checksums were have only their presence to check."""
+        path = self.folder / name
+        if not path.is_file():
+            return "missing"
+        if written is None:
+            return None
+        size = path.stat().st_size
+        if size != written["bytes"]:
+            return f"{size} bytes, {written['bytes']} written"
+        if sha256_file(path) != written["sha256"]:
+            return "checksum differs from the one written"
+        return None
 
     def attempt(self) -> dict:
         """This writer's share so far: wall seconds since it opened, samples it added."""
@@ -111,6 +149,7 @@ class HiddenShardWriter:
         }
         with atomic_path(self.folder / name) as tmp:
             save_file(tensors, str(tmp))
+            self.shard_files[name] = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
         done = {s.sample_id for s in self._pending}
         for e in self.entries:
             if e["sample_id"] in done:
@@ -126,6 +165,7 @@ class HiddenShardWriter:
         doc = {
             "fingerprint": self.fingerprint,
             "shards": sorted({e["shard"] for e in flushed}),
+            "shard_files": dict(sorted(self.shard_files.items())),
             "attempts": self.all_attempts(),
             "samples": flushed,
         }
@@ -143,11 +183,17 @@ class HiddenShardWriter:
             "num_samples": len(self.entries),
             "fingerprint": self.fingerprint,
             **extra,
+            "shard_files": dict(sorted(self.shard_files.items())),
             "samples": sorted(self.entries, key=lambda e: e["sample_id"]),
         }
         write_json(self.folder / MANIFEST, doc)
         (self.folder / RESUME).unlink(missing_ok=True)
         return doc
+
+
+def shard_index(name: str) -> int:
+    """hidden-00012.safetensors -> 12."""
+    return int(name.removeprefix("hidden-").removesuffix(".safetensors"))
 
 
 def read_hidden_manifest(folder: Path) -> dict:
