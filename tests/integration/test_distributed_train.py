@@ -35,7 +35,7 @@ from dspark.train.stage import TrainPaths, build_runs, train
 from dspark.train.trainer import Trainer
 from dspark.transport.files import HiddenShardWriter
 
-from ..conftest import ROOT
+from ..conftest import ROOT, skip_or_fail
 
 RTOL, ATOL = 1e-4, 1e-5
 NUM = 11  # 2 held out, 9 to train: batches of 4, 4 and 1, so rank 1 sits out the last one
@@ -225,10 +225,11 @@ def test_online_world_size_must_match_the_stream_consumers(tmp_path):
         smoke("train.world_size=8")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a refusal without a GPU")
 def test_cuda_without_a_gpu_is_refused_before_any_rank_starts(tiny_target_dir, data, tmp_path):
     """NCCL between GPU ranks is the cuda path (infra/gpu/check.sh runs it); on a machine
     without one, the stage says so in one line, with no rank started and nothing written."""
+    if torch.cuda.is_available():
+        skip_or_fail("a GPU is here: this checks the refusal without one")
     assert (backend("cpu"), backend("cuda")) == ("gloo", "nccl")
     assert rank_device("cpu", 3) == torch.device("cpu")
     with pytest.raises(ResourceError, match=r"^train\.device: cuda, but torch sees no GPU"):

@@ -5,13 +5,10 @@ import json
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from dspark.headline import headline, read_docs
-
-mlflow = pytest.importorskip("mlflow")
-from mlflow.tracking import MlflowClient  # noqa: E402
-
-from tasks.tracking import (  # noqa: E402
+from tasks.tracking import (
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,
     HEADLINE_VIEW,

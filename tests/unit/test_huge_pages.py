@@ -6,9 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from dspark.serve.endpoints import server_env
+from tests.conftest import skip_or_fail
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 # What a server process does first: import the server module and torch, then allocate 64 MB.
@@ -33,11 +32,9 @@ def test_a_users_setting_wins(monkeypatch):
     assert server_env()["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
-@pytest.mark.skipif(
-    not THP.exists() or "[madvise]" not in THP.read_text(),
-    reason="huge pages here are not granted on request (madvise)",
-)
 def test_a_server_process_gets_huge_pages_and_none_without_the_setting(monkeypatch):
+    if not THP.exists() or "[madvise]" not in THP.read_text():
+        skip_or_fail(f"{THP}: huge pages here are not granted on request (madvise)")
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     assert huge_kb(server_env()) >= 32 << 10  # most of the 64 MB tensor on 2 MB pages
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")

@@ -14,7 +14,7 @@ import pytest
 
 from dspark.procs import alive, stop_processes
 from tasks import proc
-from tests.conftest import ROOT
+from tests.conftest import ROOT, skip_or_fail
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 # Ignores SIGTERM, then says it is ready (so the test does not race its handler's install).
@@ -158,12 +158,13 @@ def test_a_stage_run_is_given_its_grace_to_finish_when_the_caller_stops(tmp_path
         assert time.monotonic() - t0 < grace + 10
 
 
-@pytest.mark.skipif(not Path("/proc/self/autogroup").exists(), reason="no autogroup scheduling")
 def test_a_session_leader_gives_its_autogroup_its_niceness():
     """A child in a session of its own (as the producers and flow-run stages are) carries its
     niceness into the session's autogroup, which is what the scheduler shares CPU by; in the
     caller's session it leaves the caller's autogroup alone. (A session inside a cgroup with its
     own CPU controller, as in CI, reads an empty autogroup file: only autogroups are shown.)"""
+    if not Path("/proc/self/autogroup").exists():
+        skip_or_fail("no autogroup scheduling (/proc/self/autogroup)")
     code = (
         "from dspark.procs import adopt_niceness; adopt_niceness(); "
         "print(open('/proc/self/autogroup').read().strip())"
