@@ -17,6 +17,14 @@ than through one mask at the longest row's width.
 Hidden states of any layer can be returned (`taps`, the output of decoder layer i, and the last
 layer before the final norm), which is what the drafts read.
 
+`row_invariant` makes every row's numbers independent of the rows beside it, so that the same
+prompt gives the same answer and states whatever it is batched with (extraction's
+reproducibility): every matrix multiply runs on at least MIN_ROWS tokens (padded), because
+oneDNN/MKL take another kernel below that and a token's result changes in the last bits with
+the batch (measured on every weight shape of SmolLM2 and the tiny test target, 1 and 2 threads:
+below 16 rows the results differ, from 16 on they are the same), and each row attends alone,
+over exactly its own keys, where one batched call would pad every row to the longest.
+
 Shape glossary: B rows, T new tokens per row, M cache slots, H hidden, L layers, V vocabulary.
 """
 
@@ -53,22 +61,32 @@ class KVCache:
         return self.slots - 1
 
 
+# Tokens every matrix multiply of a row-invariant forward runs on, at least (see above).
+MIN_ROWS = 32
+
+
 @dataclass(frozen=True)
 class Packing:
-    """Where the N valid tokens of a [B, T] batch sit in it (flattened)."""
+    """Where the N valid tokens of a [B, T] batch sit in it (flattened); `pad` zero tokens go
+    after them (a row-invariant forward's minimum), and are dropped on unpacking."""
 
     index: torch.Tensor  # [N]
     rows: int
     width: int
+    pad: int = 0
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, F] -> [1, N, F]"""
-        return x.flatten(0, 1)[self.index][None]
+        """[B, T, F] -> [1, N + pad, F]"""
+        x = x.flatten(0, 1)[self.index]
+        if self.pad:
+            x = torch.cat((x, x.new_zeros(self.pad, x.shape[-1])))
+        return x[None]
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """[1, N, F] -> [B, T, F], zeros at the padding."""
+        """[1, N + pad, F] -> [B, T, F], zeros at the padding."""
         out = x.new_zeros(self.rows * self.width, x.shape[-1])
-        return out.index_copy_(0, self.index, x[0]).view(self.rows, self.width, -1)
+        real = x[0, : self.index.numel()]
+        return out.index_copy_(0, self.index, real).view(self.rows, self.width, -1)
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,35 @@ def causal_rows(q, k, v, lengths: list[int]) -> torch.Tensor:
     return out
 
 
+@dataclass(frozen=True)
+class RowsAlone:
+    """Each row attends alone: its valid queries over its own first slots up to each one's
+    position (a row-invariant forward)."""
+
+    positions: torch.Tensor  # [B, T]
+    valid: torch.Tensor  # [B, T]
+
+
+def rows_alone(q, cache_k, cache_v, mask: RowsAlone) -> torch.Tensor:
+    """q [B, nh, T, d]; cache_k/v [B, nkv, M, d] -> [B, T, nh*d], zeros at the padding. How a
+    row attends depends on that row alone: a prefill from position 0 on the causal kernel, any
+    other step through its own mask."""
+    b, nh, t, d = q.shape
+    out = q.new_zeros(b, t, nh * d)
+    for r in range(b):
+        at = torch.nonzero(mask.valid[r]).flatten()
+        if not at.numel():
+            continue
+        pos = mask.positions[r, at]
+        span = int(pos.max()) + 1
+        keys, values = cache_k[r : r + 1, :, :span], cache_v[r : r + 1, :, :span]
+        sees = None  # [T_r, span]; None: causal over positions 0..T_r-1
+        if span != at.numel() or not bool((pos == torch.arange(span, device=q.device)).all()):
+            sees = torch.arange(span, device=q.device)[None, :] <= pos[:, None]
+        out[r, at] = gqa_attention(q[r : r + 1, :, at], keys, values, sees)[0]
+    return out
+
+
 class CachedAttention(Attention):
     """The drafts' attention projections, reading and writing the static cache."""
 
@@ -113,7 +160,9 @@ class CachedAttention(Attention):
         cache_k[rows, :, write_pos] = k.transpose(1, 2)  # [B, T, nkv, d] into slots
         cache_v[rows, :, write_pos] = v.transpose(1, 2)
         keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
-        if isinstance(mask, RowLengths):
+        if isinstance(mask, RowsAlone):
+            out = rows_alone(q, cache_k, cache_v, mask)
+        elif isinstance(mask, RowLengths):
             out = causal_rows(q, keys, values, mask.lengths)
         else:
             out = gqa_attention(q, keys, values, mask)  # [B, T, nh*d]
@@ -128,6 +177,7 @@ class Llama(nn.Module):
     def __init__(self, s: LayerShape, num_layers: int, vocab_size: int):
         super().__init__()
         self.s = s
+        self.row_invariant = False  # see the module's docstring
         self.embed_tokens = nn.Embedding(vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(PreNormBlock(s, CachedAttention(s)) for _ in range(num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
@@ -198,7 +248,12 @@ class Llama(nn.Module):
         rope = rope_cos_sin(positions, self.s.head_dim, self.s.rope_theta)
         packing = None
         x = self.embed_tokens(tokens)
-        if not bool(valid.all()):
+        if self.row_invariant:
+            mask = RowsAlone(positions, valid)
+            index = torch.nonzero(valid.flatten()).flatten()
+            packing = Packing(index, b, t, pad=max(0, MIN_ROWS - index.numel()))
+            x = packing.pack(x)
+        elif not bool(valid.all()):
             index = torch.nonzero(valid.flatten()).flatten()
             packing = Packing(index, b, t)
             x = packing.pack(x)
@@ -212,5 +267,9 @@ class Llama(nn.Module):
                 x = packing.unpack(x)
             x = x.gather(1, logits_at[..., None].expand(-1, -1, x.shape[-1]))
             packing = None
+            if self.row_invariant:  # the lm_head's multiply on enough rows too
+                n = x.shape[0] * x.shape[1]
+                packing = Packing(torch.arange(n), x.shape[0], x.shape[1], max(0, MIN_ROWS - n))
+                x = packing.pack(x)
         out = self.lm_head(self.norm(x)) if logits else self.norm(x)
         return (out if packing is None else packing.unpack(out)), kept

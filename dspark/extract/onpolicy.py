@@ -9,7 +9,9 @@ leaves as soon as its row ends, so the batch stays full whatever the lengths. A 
 extract stage's full forward has too; the token that step chooses is dropped.
 
 Decoding is greedy, like the prepare stage's default: the same tokens as transformers' greedy
-`generate`, up to float noise between a batched and a one-row forward.
+`generate`, up to float noise between a batched and a one-row forward. Row-invariant (the
+default): a prompt's answer and states are bit for bit the same whatever shares its batch, so
+two extractions of the same prompts agree however their producers were scheduled.
 
 With `topk`, each position's top-k log-probabilities are taken from the very logits its next
 token was chosen from (`LogitsTap`), so the trainer's targets cost the producer nothing more
@@ -20,6 +22,7 @@ Shape glossary: B rows, S positions of a sample, H hidden.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -76,6 +79,7 @@ class OnPolicyDecoder:
         max_prompt_tokens: int,
         max_new_tokens: int,
         topk: int = 0,
+        row_invariant: bool = True,
     ):
         if max_prompt_tokens + max_new_tokens > max_context:
             raise ValueError(
@@ -85,6 +89,11 @@ class OnPolicyDecoder:
         self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
         self.recorder = Recorder(taps)
         self.topk = topk
+        # A row's answer and states must not depend on which prompts share its batch (or on
+        # which producer took it): extraction reproduces (dspark/decode/llama.py). A copy, so
+        # the caller's Llama keeps its own setting.
+        llama = copy.copy(llama)
+        llama.row_invariant = row_invariant
         self.tap = LogitsTap(llama)
         self.dec = SpecDecoder(self.tap if topk else llama, self.recorder, eos_id, max_context)
         # The dropped token after a row's last one is written one past it.

@@ -36,6 +36,7 @@ from dspark.config import Params
 from dspark.data.shards import read_manifest as read_token_manifest
 from dspark.errors import ResourceError
 from dspark.extract.capture import resolve_aux_layers
+from dspark.extract.content import fingerprints, sample_content
 from dspark.extract.producer import ProducerConfig
 from dspark.infra import netns
 from dspark.infra.plan import consumer_host, trainer_node
@@ -228,6 +229,9 @@ def resume_fingerprint(params: Params, target_dir: Path, shards_dir: Path) -> st
         "wire_dtype": x.wire_dtype,
         "target_topk": x.target_topk,
         "answering": [p.engine, p.max_prompt_tokens, p.max_new_tokens],
+        # Answers and states no longer depend on the batch (dspark/decode/llama.py): shards of
+        # an extraction from before do not mix with these.
+        "decoding": "row-invariant",
         "schema_version": SCHEMA_VERSION,
     }
     files = [Path(shards_dir) / "manifest.json", Path(target_dir) / "config.json"]
@@ -243,6 +247,7 @@ def extract(
     events: Path | None = None,
     progress: bool = True,
     on_sample: Callable[[Sample], None] | None = None,
+    producer_overrides: Callable[[int], dict] | None = None,  # tests: fault a producer
 ) -> dict:
     """Run the stage; return its metrics. Each consumer drains its rank's share in a thread."""
     x = params.extract
@@ -272,7 +277,7 @@ def extract(
                 with lock:
                     if first_s is None:
                         first_s = time.perf_counter() - t0
-                    writer.add(sample)
+                    writer.add(sample, sample_content(sample))
                     tokens += sample.num_tokens
                     received.append(sample.sample_id)
                     if on_sample:
@@ -296,6 +301,7 @@ def extract(
                     shards_dir=shards_dir,
                     sample_ids=ids,
                     consumed=set(resumed),
+                    producer_overrides=producer_overrides,
                 )
             )
             consumers = st.consumers(fetch_timeout=x.fetch_timeout, idle_timeout=x.idle_timeout)
@@ -352,4 +358,6 @@ def extract(
             sum(c.wait_s for c in consumers) / max(1, len(consumers)) / wall, 4
         ),
         "wall_s": round(wall, 2),
+        # What was extracted, apart from how: equal fingerprints, equal data.
+        "content": fingerprints(doc["samples"]),
     }

@@ -123,7 +123,9 @@ class HiddenShardWriter:
         """This writer's share so far: wall seconds since it opened, samples it added."""
         return {"wall_s": round(time.monotonic() - self._t0, 2), "samples": self._added}
 
-    def add(self, sample: Sample) -> None:
+    def add(self, sample: Sample, content: dict | None = None) -> None:
+        """`content`: the sample's content fingerprints (dspark.extract.content), kept in its
+        entry so that two manifests can be compared on what they hold."""
         entry = {
             "sample_id": sample.sample_id,
             "tokens": sample.num_tokens,
@@ -131,6 +133,8 @@ class HiddenShardWriter:
             "crc32": {k: crc32(t) for k, t in sample.tensors().items()},
             "shard": None,
         }
+        if content is not None:
+            entry["content"] = content
         self.entries.append(entry)
         self._added += 1
         if self.keep_payload:

@@ -18,13 +18,14 @@ from dspark.config import load_params
 from dspark.data.prepare import PreparePaths, prepare
 from dspark.data.shards import TokenSample, iter_samples
 from dspark.extract.capture import HiddenStateCapture
+from dspark.extract.content import differing
 from dspark.extract.producer import ProducerConfig
 from dspark.extract.stage import extract, open_stream
 from dspark.transport.files import iter_hidden
 from dspark.transport.stores import TransportError
 from dspark.transport.stream import StreamConsumer, batches
 
-from ..conftest import ROOT, skip_or_fail
+from ..conftest import ROOT, skip_or_fail, write_jsonl
 
 pytestmark = pytest.mark.slow
 NUM = 24
@@ -188,6 +189,60 @@ def test_producers_answer_prompts_as_they_capture(tiny_target, tiny_target_dir, 
     capture.close()
     for row in Reference(tiny_target).check_batch(prompts_, paths_):
         assert all(margin < TIE for _, margin in row), row  # at most ties, never a divergence
+
+
+def test_two_extractions_give_the_same_content_however_the_producers_run(
+    tiny_target, tiny_target_dir, tmp_path
+):
+    """Issue 50's reproducibility: the same prompts answered and captured by two producers, then
+    by one producer of two slowed down (so the other takes most prompts, in other batches),
+    then by one producer alone: the same token ids and bit-identical states, so the same
+    content fingerprints, while the shards' arrival differs."""
+    train = tmp_path / "train.jsonl"
+    write_jsonl(
+        train, [{"category": "t", "prompt": f"Describe place {i} briefly."} for i in range(NUM)]
+    )
+    sets = [
+        f"data.train_sources=[{train}]",
+        f"prepare.num_samples={NUM}",
+        "prepare.shard_size=8",
+        "data.eval_counts={qa: 1}",
+        "prepare.max_new_tokens=6",
+        "prepare.engine=extract",
+        "extract.mode=offline",
+        "extract.decode_rows=4",
+    ]
+    params = stream_params(*sets)
+    paths = PreparePaths(
+        target=tiny_target_dir, shards=tmp_path / "shards", eval_prompts=tmp_path / "eval.jsonl"
+    )
+    prepare(params, tiny_target, paths, progress=False)
+    runs = {
+        "two": (params, None),
+        "one_slow": (params, lambda i: {"throttle_s": 0.3} if i == 0 else {}),
+        "alone": (stream_params(*sets, "extract.workers=1"), None),
+    }
+    content = {}
+    for name, (p, overrides) in runs.items():
+        metrics = extract(
+            p,
+            target_dir=tiny_target_dir,
+            shards_dir=paths.shards,
+            out_dir=tmp_path / name,
+            progress=False,
+            producer_overrides=overrides,
+        )
+        assert metrics["samples_received"] == NUM and metrics["lost"] == 0
+        content[name] = metrics["content"]
+    assert content["two"]["tokens"] is not None and content["two"]["samples"] == NUM
+    assert content["one_slow"] == content["two"] == content["alone"]
+    entries = {
+        name: json.loads((tmp_path / name / "manifest.json").read_text())["samples"]
+        for name in runs
+    }
+    assert differing(entries["two"], entries["one_slow"]) == {
+        "shared": NUM, "only_one": 0, "tokens": 0, "states_summary": 0, "states_exact": 0
+    }  # fmt: skip
 
 
 class Stop(Exception):
