@@ -14,6 +14,11 @@ Beyond OpenAI's fields, each choice carries `token_ids` (the tokens in this chun
 `return_token_ids` gives them) and the final response a `dspark` object (verify steps, drafts
 proposed and accepted), from which the load client measures acceptance. Malformed requests get a
 400 in OpenAI's error shape naming the field.
+
+Fields this server does not know (`user`, `presence_penalty`, ...) are accepted, as vLLM accepts
+them, and named: the final response's `dspark.ignored` lists them, so a client learns that its
+setting had no effect. A known field that would change the answer and is not implemented (`n`,
+`echo`, `logprobs`, `stop`, another temperature) is refused with a 400 instead.
 """
 
 from __future__ import annotations
@@ -33,9 +38,10 @@ from dspark.serve.engine import ServeEngine
 
 
 class CompletionRequest(BaseModel):
-    # Clients send fields we have no use for (user, presence_penalty, ...): ignore those, but
-    # refuse the ones that would change the answer and that we do not implement.
-    model_config = ConfigDict(extra="ignore")
+    # Clients send fields we have no use for (user, presence_penalty, ...): accept those and
+    # name them in the response (`ignored`), but refuse the ones that would change the answer
+    # and that we do not implement.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | list[int] = Field(min_length=1)
@@ -59,6 +65,11 @@ class CompletionRequest(BaseModel):
         if self.stop:
             return "stop", "no stop sequences (EOS and max_tokens end a completion)"
         return None
+
+    @property
+    def ignored(self) -> list[str]:
+        """The request's fields this server does not know, sorted."""
+        return sorted(self.model_extra or {})
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -190,6 +201,7 @@ def create_app(
                     "proposed": req.proposed,
                     "accepted": req.accepted,
                     "finish": finish,
+                    "ignored": body.ignored,
                 }
             return doc
 

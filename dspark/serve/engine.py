@@ -105,6 +105,12 @@ class ServeEngine:
             raise ValueError("prompt: empty")
         if max_tokens < 1:
             raise ValueError("max_tokens: must be at least 1")
+        longest = self.room(0) - 1  # the longest prompt that still gets one new token
+        if len(prompt) > longest:
+            raise ValueError(
+                f"prompt: {len(prompt)} tokens, longer than this server's window holds: "
+                f"{self.max_len} positions per request, at most {longest} of them prompt"
+            )
         if max_tokens > self.room(len(prompt)):
             raise ValueError(
                 f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceeds this server's "

@@ -151,6 +151,7 @@ def test_streaming_gives_the_same_tokens_then_done(server):
         ({"prompt": [1, 10**9], "max_tokens": 4}, 400, "token id"),
         ({"prompt": PROMPT, "max_tokens": 100000}, 400, "max_tokens"),
         ({"prompt": PROMPT, "model": "gpt-4"}, 404, "model"),
+        ({"prompt": [7] * 5000, "max_tokens": 1}, 400, "longer than this server's window"),
     ],
 )
 def test_malformed_requests_get_a_4xx_naming_the_field(server, body, status, names):
@@ -158,6 +159,19 @@ def test_malformed_requests_get_a_4xx_naming_the_field(server, body, status, nam
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert names in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_unknown_fields_are_accepted_and_named(server, tiny_target):
+    """As vLLM does, a field this server does not know does not fail the request; unlike a
+    silent accept, the response names it (`dspark.ignored`), streamed or not."""
+    body = {"prompt": PROMPT, "max_tokens": 4, "user": "u1", "presence_penalty": 0.5}
+    doc = httpx.post(f"{server}/v1/completions", json=body).json()
+    assert doc["choices"][0]["token_ids"] == greedy(tiny_target, PROMPT, 4)
+    assert doc["dspark"]["ignored"] == ["presence_penalty", "user"]
+    last = json.loads(stream_chunks(server, body)[-2])
+    assert last["dspark"]["ignored"] == ["presence_penalty", "user"]
+    plain = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert plain.json()["dspark"]["ignored"] == []
 
 
 def test_invalid_json_is_a_400(server):

@@ -197,6 +197,15 @@ def test_submit_rejects_what_cannot_fit(llama, varied, prompts):
         engine.submit(prompts[0], 60, Collector())
     with pytest.raises(ValueError, match="prompt: empty"):
         engine.submit([], 4, Collector())
+    # A prompt the window cannot hold is told so, with the window, never "at most -N" tokens.
+    longest = 64 - engine.decoder.proposer.k - 2
+    with pytest.raises(
+        ValueError,
+        match=rf"^prompt: 100 tokens, longer than this server's window holds: 64 positions "
+        rf"per request, at most {longest} of them prompt$",
+    ):
+        engine.submit(list(range(1, 101)), 1, Collector())
+    engine.submit(list(range(1, longest + 1)), 1, Collector())  # the longest still fits
 
 
 def test_verify_cost_profile(llama, varied):
