@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import io
 import json
@@ -75,6 +76,29 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 def write_json(path: Path, obj: object) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether a write failed for want of space (safetensors' writer says so only in words)."""
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOSPC
+    return "os error 28" in str(error) or "No space left on device" in str(error)
+
+
+@contextmanager
+def space_for(path: Path, needed: int) -> Iterator[None]:
+    """Turn a full disk while writing `path` into one ResourceError naming the path and the
+    bytes it needed; anything else passes through."""
+    try:
+        yield
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        free = shutil.disk_usage(Path(path).parent).free
+        raise ResourceError(
+            f"{path}: no space left on the device ({needed:,} bytes to write, {free:,} free); "
+            "free some and run the stage again: it resumes where it stopped"
+        ) from None
 
 
 def sha256_file(path: Path) -> str:

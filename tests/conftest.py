@@ -102,6 +102,34 @@ def copy_repo(dest: Path, profile: str | None = None) -> Path:
     return dest
 
 
+class SmallDisk:
+    """A tmpfs of a given size mounted at `path` (root only): a disk that fills for real."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def mount(self, size_bytes: int) -> Path:
+        self.path.mkdir(parents=True, exist_ok=True)
+        size = f"size={max(4096, size_bytes)}"
+        mounted = os.path.ismount(self.path)
+        opts = f"remount,{size}" if mounted else size
+        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(self.path)], check=True)
+        return self.path
+
+    def unmount(self) -> None:
+        if os.path.ismount(self.path):
+            subprocess.run(["umount", str(self.path)], check=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        skip_or_fail("mounting a small filesystem needs root and mount(8)")
+    disk = SmallDisk(tmp_path / "small-disk")
+    yield disk
+    disk.unmount()
+
+
 def tool_env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **extra}
     env.pop("PREFECT_API_URL", None)

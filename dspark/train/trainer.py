@@ -27,7 +27,7 @@ from torch import nn
 
 from dspark.config import OptimConfig, TrainConfig
 from dspark.errors import DataError
-from dspark.io import atomic_dir, old_name, write_json
+from dspark.io import atomic_dir, old_name, space_for, write_json
 from dspark.metrics import EventLog
 from dspark.progress import bar as progress_bar
 from dspark.schema import Sample
@@ -455,9 +455,20 @@ class Trainer:
         and checksum."""
         if not self.leader:
             return
-        with atomic_dir(
-            self.checkpoint_dir, durable=True, keep_previous=self.previous_checkpoint
-        ) as tmp:
+        needed = sum(
+            t.numel() * t.element_size()
+            for r in self.runs
+            for t in (
+                *r.model.state_dict().values(),
+                *ckpt.optimizer_tensors(r.optimizer, r.names).values(),
+            )
+        )
+        with (
+            space_for(self.checkpoint_dir, needed),
+            atomic_dir(
+                self.checkpoint_dir, durable=True, keep_previous=self.previous_checkpoint
+            ) as tmp,
+        ):
             for run in self.runs:
                 tensors = ckpt.host_tensors(run.model.state_dict())
                 ckpt.save_tensors(tmp / f"{run.name}.safetensors", tensors)

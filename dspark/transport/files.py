@@ -33,6 +33,7 @@ from dspark.io import (
     ensure_writable_dir,
     read_json_manifest,
     sha256_file,
+    space_for,
     write_json,
 )
 from dspark.schema import SCHEMA_VERSION, Sample
@@ -151,7 +152,8 @@ class HiddenShardWriter:
             for s in self._pending
             for k, t in s.tensors().items()
         }
-        with atomic_path(self.folder / name) as tmp:
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        with space_for(self.folder / name, needed), atomic_path(self.folder / name) as tmp:
             save_file(tensors, str(tmp))
             self.shard_files[name] = {"bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
         done = {s.sample_id for s in self._pending}
@@ -173,7 +175,8 @@ class HiddenShardWriter:
             "attempts": self.all_attempts(),
             "samples": flushed,
         }
-        write_json(self.folder / RESUME, doc)
+        with space_for(self.folder / RESUME, 0):
+            write_json(self.folder / RESUME, doc)
 
     def all_attempts(self) -> list[dict]:
         """Every writer's share that reached a checkpoint, this one's so far last."""

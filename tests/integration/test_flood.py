@@ -22,7 +22,6 @@ MAX_TOKENS = 8
 PLAIN, STREAMED, CUT, BAD = 150, 60, 30, 60
 # The server's resident memory may grow this much over the flood (measured 2026-12-07: 18 MB,
 # from 492 to 511 MB peak).
-
 GROWTH_BOUND_MB = 150
 BAD_BODIES = [
     ({"max_tokens": 4}, "prompt"),

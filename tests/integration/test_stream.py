@@ -4,6 +4,7 @@ with the faults the protocol must survive."""
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import torch
 from dspark.config import load_params
 from dspark.data.prepare import PreparePaths, prepare
 from dspark.data.shards import TokenSample, iter_samples
+from dspark.errors import ResourceError
 from dspark.extract.capture import HiddenStateCapture
 from dspark.extract.content import differing
 from dspark.extract.producer import ProducerConfig
@@ -191,18 +193,13 @@ def test_producers_answer_prompts_as_they_capture(tiny_target, tiny_target_dir, 
         assert all(margin < TIE for _, margin in row), row  # at most ties, never a divergence
 
 
-def test_two_extractions_give_the_same_content_however_the_producers_run(
-    tiny_target, tiny_target_dir, tmp_path
-):
-    """Issue 50's reproducibility: the same prompts answered and captured by two producers, then
-    by one producer of two slowed down (so the other takes most prompts, in other batches),
-    then by one producer alone: the same token ids and bit-identical states, so the same
-    content fingerprints, while the shards' arrival differs."""
+def answered_here(tiny_target, tiny_target_dir, tmp_path):
+    """Prompts that the producers answer (prepare.engine extract), prepared: (params, paths)."""
     train = tmp_path / "train.jsonl"
     write_jsonl(
         train, [{"category": "t", "prompt": f"Describe place {i} briefly."} for i in range(NUM)]
     )
-    sets = [
+    params = stream_params(
         f"data.train_sources=[{train}]",
         f"prepare.num_samples={NUM}",
         "prepare.shard_size=8",
@@ -211,27 +208,42 @@ def test_two_extractions_give_the_same_content_however_the_producers_run(
         "prepare.engine=extract",
         "extract.mode=offline",
         "extract.decode_rows=4",
-    ]
-    params = stream_params(*sets)
+    )
     paths = PreparePaths(
         target=tiny_target_dir, shards=tmp_path / "shards", eval_prompts=tmp_path / "eval.jsonl"
     )
     prepare(params, tiny_target, paths, progress=False)
+    return params, paths
+
+
+def extract_into(params, tiny_target_dir, paths, out, overrides=None) -> dict:
+    return extract(
+        params,
+        target_dir=tiny_target_dir,
+        shards_dir=paths.shards,
+        out_dir=out,
+        progress=False,
+        producer_overrides=overrides,
+    )
+
+
+def test_two_extractions_give_the_same_content_however_the_producers_run(
+    tiny_target, tiny_target_dir, tmp_path
+):
+    """Issue 50's reproducibility: the same prompts answered and captured by two producers, then
+    by one producer of two slowed down (so the other takes most prompts, in other batches),
+    then by one producer alone: the same token ids and bit-identical states, so the same
+    content fingerprints, while the shards' arrival differs."""
+    params, paths = answered_here(tiny_target, tiny_target_dir, tmp_path)
+    alone = params.model_copy(update={"extract": params.extract.model_copy(update={"workers": 1})})
     runs = {
         "two": (params, None),
         "one_slow": (params, lambda i: {"throttle_s": 0.3} if i == 0 else {}),
-        "alone": (stream_params(*sets, "extract.workers=1"), None),
+        "alone": (alone, None),
     }
     content = {}
     for name, (p, overrides) in runs.items():
-        metrics = extract(
-            p,
-            target_dir=tiny_target_dir,
-            shards_dir=paths.shards,
-            out_dir=tmp_path / name,
-            progress=False,
-            producer_overrides=overrides,
-        )
+        metrics = extract_into(p, tiny_target_dir, paths, tmp_path / name, overrides)
         assert metrics["samples_received"] == NUM and metrics["lost"] == 0
         content[name] = metrics["content"]
     assert content["two"]["tokens"] is not None and content["two"]["samples"] == NUM
@@ -243,6 +255,34 @@ def test_two_extractions_give_the_same_content_however_the_producers_run(
     assert differing(entries["two"], entries["one_slow"]) == {
         "shared": NUM, "only_one": 0, "tokens": 0, "states_summary": 0, "states_exact": 0
     }  # fmt: skip
+
+
+def test_a_full_disk_stops_extraction_in_one_line_and_it_resumes_once_space_is_back(
+    tiny_target, tiny_target_dir, tmp_path, small_disk
+):
+    """The shards on a disk with room for about half of them: the stage stops with one line
+    naming the shard and the bytes it needed, leaves no half-written file, and run again with
+    space back it keeps the shards it finished and ends with the same content as a run that
+    never ran short."""
+    params, paths = answered_here(tiny_target, tiny_target_dir, tmp_path)
+    shards = {"shard_size": 4}  # six shards: some fit, some do not
+    params = params.model_copy(update={"extract": params.extract.model_copy(update=shards)})
+    whole = extract_into(params, tiny_target_dir, paths, tmp_path / "whole")
+    size = sum(f.stat().st_size for f in (tmp_path / "whole").iterdir())
+    out = small_disk.mount(size // 2) / "hidden"
+    with pytest.raises(ResourceError) as e:
+        extract_into(params, tiny_target_dir, paths, out)
+    msg = str(e.value)
+    assert "\n" not in msg and re.match(rf"^{out}/hidden-\d+\.safetensors: no space left", msg)
+    assert "bytes to write" in msg
+    assert not [f for f in out.iterdir() if f.name.startswith(".") or f.suffix == ".tmp"]
+    kept = json.loads((out / "resume.json").read_text())["samples"]
+    assert 0 < len(kept) < NUM
+
+    small_disk.mount(size * 3)
+    metrics = extract_into(params, tiny_target_dir, paths, out)
+    assert metrics["resumed_samples"] == len(kept) and metrics["lost"] == 0
+    assert metrics["content"] == whole["content"]  # every sample once, as an unhurried run
 
 
 class Stop(Exception):

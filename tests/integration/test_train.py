@@ -13,7 +13,7 @@ from torch import nn
 
 from dspark.data.shards import TokenSample
 from dspark.drafts import load_draft
-from dspark.errors import DataError
+from dspark.errors import DataError, ResourceError
 from dspark.export import export_speculators, import_speculators, roundtrip_diff
 from dspark.extract.capture import HiddenStateCapture
 from dspark.models.dspark import DSparkConfig, DSparkDraft
@@ -674,3 +674,42 @@ def test_with_both_checkpoints_damaged_training_starts_over_and_says_why(
     (line,) = [r.getMessage() for r in caplog.records if r.name == "dspark.train"]
     assert line.startswith("train: no undamaged checkpoint (") and line.endswith("starting over")
     assert "dspark.safetensors: 0 bytes" in line
+
+
+def folder_bytes(folder) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def test_a_full_disk_stops_training_in_one_line_and_it_resumes_once_space_is_back(
+    smoke_params, tiny_target, samples, tmp_path, small_disk
+):
+    """The checkpoint folder on a disk that holds one checkpoint and a half: the first
+    (step 3) is written, the second (step 6, beside the kept previous one) runs out of space.
+    Training stops with one line naming the folder and the bytes it needed and leaves nothing
+    half-written; with space back it resumes from step 3 and ends where an uninterrupted run
+    ends."""
+    params = tiny_params(smoke_params)
+    ids = [s.sample_id for s in samples]
+    train_ids, eval_ids = ids[2:], ids[:2]
+    whole = make_trainer(params, tiny_target, samples, tmp_path / "a")
+    whole.fit(memory_source(samples), train_ids, eval_ids)
+    size = folder_bytes(tmp_path / "a")
+
+    disk = small_disk.mount(int(size * 1.5))
+    folder = disk / "train"
+    full = make_trainer(params, tiny_target, samples, folder)
+    with pytest.raises(ResourceError) as e:
+        full.fit(memory_source(samples), train_ids, eval_ids)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{folder}: no space left on the device (")
+    assert "bytes to write" in msg and msg.endswith("it resumes where it stopped")
+    assert sorted(p.name for p in disk.iterdir()) == ["train"]  # no temporary folder left
+    assert read_state(folder)["step"] == 3
+
+    small_disk.mount(size * 4)
+    resumed = make_trainer(params, tiny_target, samples, folder)
+    resumed.fit(memory_source(samples), train_ids, eval_ids)
+    assert resumed.resumed_from == 3 and resumed.step == 8
+    for a, b in zip(whole.runs, resumed.runs, strict=True):
+        sa, sb = a.model.state_dict(), b.model.state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), f"{a.name} weights differ"
