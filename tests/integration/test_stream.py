@@ -398,6 +398,40 @@ def test_stopped_producer_is_detected_and_its_samples_reassigned(
     assert_exact(out, expected_samples(tiny_target, prepared, [0, 1]))
 
 
+def test_a_stopped_producer_that_wakes_mid_stream_duplicates_nothing(
+    tiny_target, tiny_target_dir, prepared
+):
+    """SIGSTOP, found out and its samples reassigned, then SIGCONT while the other producer is
+    still streaming: whatever the woken one still holds or sends (stored samples, heartbeats,
+    a reconnect) must not reach the trainer twice. Every sample arrives exactly once, exact."""
+    state = {}
+
+    def freeze_then_wake(n, stream):
+        c = stream.coordinator
+        if "pid" not in state and c.live_producers() == 2:
+            state["pid"] = stream.producers[0].pid
+            os.kill(state["pid"], signal.SIGSTOP)
+        elif "pid" in state and "woke_at" not in state and c.stats.producers_lost >= 1:
+            os.kill(state["pid"], signal.SIGCONT)  # its samples went elsewhere meanwhile
+            state["woke_at"] = n
+
+    try:
+        out, stats = consume(
+            stream_params(),
+            tiny_target_dir,
+            prepared,
+            on_sample=freeze_then_wake,
+            overrides=lambda i: {"throttle_s": 0.3},
+        )
+    finally:
+        if "pid" in state:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(state["pid"], signal.SIGCONT)
+    assert "woke_at" in state and state["woke_at"] < NUM  # woken while the stream still ran
+    assert stats.producers_lost >= 1 and stats.reassigned >= 1
+    assert_exact(out, expected_samples(tiny_target, prepared, [0, 1]))
+
+
 def test_corrupted_payload_is_caught_and_resent(tiny_target, tiny_target_dir, prepared):
     params = stream_params()
     # Whichever producer is assigned sample 5 flips a byte of it, once per producer.
