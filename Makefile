@@ -18,7 +18,7 @@ export HF_DATASETS_OFFLINE ?= 1
 # unpacking) and the apt package. One make schedules them all, so no two jobs write one venv.
 MAKEFLAGS += -j3
 
-.PHONY: setup run test lint system-deps clean-env speculators-venv vllm-venv
+.PHONY: setup run test test-fast check-results lint system-deps clean-env speculators-venv vllm-venv
 
 setup: system-deps $(STAMP)
 
@@ -89,10 +89,21 @@ lint: setup
 # first, which left the whole-chain test (minutes, two tests) to start last and run alone.
 TEST_WORKERS ?= 2
 
-test: lint speculators-venv vllm-venv
+test: lint speculators-venv vllm-venv check-results
 	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile \
-	  --no-loadscope-reorder; rc=$$?; \
+	  --no-loadscope-reorder --ignore=tests/results; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+# The committed results (metrics/, metrics/full/) hold together: checked apart from the code's
+# tests, so a changed figure fails here and never in a unit test. `make test` runs it too.
+check-results: setup
+	@$(VENV)/bin/pytest -q -p no:cacheprovider tests/results
+
+# The edit loop: the unit tests alone (tiny random models, no services, no real target), on the
+# same two workers; `make test` stays what CI runs.
+test-fast: setup
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile \
+	  -m "not slow and not e2e and not vllm" tests/unit
 
 clean-env:
 	rm -rf $(VENV) $(SPEC_VENV) $(VLLM_VENV)

@@ -1,4 +1,7 @@
-"""A pipeline's headline figures (dspark.headline), from the committed metrics files."""
+"""The committed results (metrics/ and metrics/full/) hold together: their headline figures
+(dspark.headline) and the summary `make run` prints come out of them whole. Checks of what is
+committed, not of the code alone: `make check-results` runs them, apart from the unit tests, so
+a unit test never fails because a figure changed (`make test` runs both)."""
 
 import json
 import shutil
