@@ -69,8 +69,7 @@ def test_duplicates_are_dropped_and_released():
         a.send({"type": "ready", "manifest": manifest(0)})
         a.send({"type": "ready", "manifest": manifest(0)})
         a.send({"type": "ready", "manifest": manifest(7)})  # never ours (a stale session's)
-        time.sleep(0.3)
-        assert coordinator.stats.duplicates_dropped == 2
+        wait_until(lambda: coordinator.stats.duplicates_dropped == 2, timeout=60)
         msgs = a.messages()
         assert {"type": "ack", "sample_id": 0} in msgs and {"type": "ack", "sample_id": 7} in msgs
     finally:
@@ -103,8 +102,8 @@ def test_silent_producer_is_dropped_and_its_work_reassigned():
             0,
             1,
         ]
-        time.sleep(1.5)  # no heartbeats
-        assert coordinator.stats.producers_lost == 1
+        # No heartbeats: dropped after 0.6 s; waited for as long as a loaded machine needs.
+        wait_until(lambda: coordinator.stats.producers_lost == 1, timeout=60)
         fresh = FakeProducer(coordinator.address, "fresh")
         assert [s for m in fresh.messages() if m["type"] == "assign" for s in m["sample_ids"]] == [
             0,

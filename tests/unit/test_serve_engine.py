@@ -166,7 +166,9 @@ def test_a_probes_catch_up_is_not_counted_as_drafting_overhead(llama, varied, pr
     engine = ServeEngine(dec, max_batch=4, max_len=96, scheduler=scheduler)
     serve(engine, prompts, stagger=False)
     assert prop.caught_up >= 2 and not scheduler.pays
-    assert 0 < scheduler.overhead_ms < 1000 * prop.pause_s / 10  # 188 ms when it counted
+    # 188 ms when the catch-up counted; a few ms of real drafting otherwise, with room for a
+    # loaded machine.
+    assert 0 < scheduler.overhead_ms < 1000 * prop.pause_s / 4
     assert engine.stats.draft_s >= prop.caught_up * prop.pause_s
 
 

@@ -83,7 +83,9 @@ def _tree(out: Path, mode: str, grace: float) -> tuple[subprocess.Popen, list[in
 
 @pytest.mark.parametrize("mode", ["polite", "stubborn"])
 def test_sigterm_stops_the_whole_tree(tmp_path, mode):
-    grace = 3.0
+    # Polite: everything stops when asked, well inside a grace period long enough that a loaded
+    # machine cannot cross it. Stubborn: the grace period is waited out, so it is kept short.
+    grace = 20.0 if mode == "polite" else 3.0
     sup, pids = _tree(tmp_path, mode, grace)
     t0 = time.monotonic()
     os.kill(sup.pid, signal.SIGTERM)  # the supervisor alone, as systemd or `docker stop` does
@@ -99,7 +101,7 @@ def test_sigterm_stops_the_whole_tree(tmp_path, mode):
     if mode == "polite":  # every part stopped when asked: no waiting out the grace period
         assert took < grace
     else:  # the orphaned stage ignored SIGTERM: killed once the grace period was over
-        assert grace <= took < grace + 1.0 + KILL_WAIT_S + 5
+        assert grace <= took < grace + 1.0 + KILL_WAIT_S + 30
 
 
 def test_a_mark_is_inherited_and_nested_marks_add_up():
