@@ -273,16 +273,17 @@ def verifier_names(
 
 
 def export_stage(params, *, drafts_dir: Path, target_dir: Path, out_dir: Path) -> dict:
-    """The export stage: each trained block draft (DSpark; DFlash where the profile trains it)
-    as a speculators folder `out_dir/<kind>`, re-imported and checked against the original.
-    The metrics' top level is DSpark's; DFlash's sit under `dflash`."""
+    """The export stage: each block draft the profile trains (DSpark, DFlash) as a speculators
+    folder `out_dir/<kind>`, re-imported and checked against the original. The metrics' top
+    level is DSpark's; DFlash's sit under `dflash`. A profile that trains neither exports
+    nothing (EAGLE-3 has no speculators folder here)."""
     from dspark.drafts import load_draft
     from dspark.models.target import load_target_for, read_manifest
 
     target = load_target_for(params.target, target_dir)
     info = read_manifest(target_dir)
     verifier, local = verifier_names(info, target_dir, params.export.verifier_name_or_path)
-    kinds = [k for k in KINDS if k == "dspark" or k in params.train.drafts]
+    kinds = [k for k in KINDS if k in params.train.drafts]
     out_dir = ensure_writable_dir(Path(out_dir))
     for old in out_dir.iterdir():  # a folder of a draft this profile no longer trains
         if old.name in kinds:

@@ -25,3 +25,20 @@ def test_dspark_and_dflash_folders_each_round_trip(
     for kind in ("dspark", "dflash"):
         doc = json.loads((out / kind / "config.json").read_text())
         assert doc["speculators_model_type"] == kind
+
+
+def test_only_the_drafts_the_profile_trains_are_exported(
+    tiny_target, tiny_target_dir, smoke_params, tmp_path
+):
+    """Training DFlash alone (`train.drafts=[dflash]`), export finds no DSpark folder to miss."""
+    drafts = tmp_path / "drafts"
+    model, ids = trained_drafts(tiny_target)["dflash"]
+    with atomic_dir(drafts / "dflash") as tmp:
+        save_draft(tmp, model, ids, {})
+    params = smoke_params.model_copy(
+        update={"train": smoke_params.train.model_copy(update={"drafts": ["dflash"]})}
+    )
+    out = tmp_path / "export"
+    got = export_stage(params, drafts_dir=drafts, target_dir=tiny_target_dir, out_dir=out)
+    assert [p.name for p in out.iterdir()] == ["dflash"]
+    assert got["dflash"]["roundtrip_max_abs_diff"] == 0.0 and "roundtrip_max_abs_diff" not in got
