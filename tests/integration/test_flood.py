@@ -6,14 +6,12 @@ every bad one a 4xx naming its field, and the server stays healthy with its memo
 
 import asyncio
 import json
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from .test_serve import endpoint_argv, free_port, greedy, workdir  # noqa: F401
+from .test_serve import greedy, start_endpoint, workdir  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -84,25 +82,8 @@ async def flood(url):
 
 
 def test_a_flood_is_answered_losslessly_and_the_server_stays_healthy(workdir, tiny_target):  # noqa: F811
-    port = free_port()
-    proc = subprocess.Popen(
-        endpoint_argv("dspark_fixed", port),
-        cwd=workdir,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
+    proc, url, _ = start_endpoint(workdir, "dspark_fixed")
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the endpoint did not become healthy"
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
         want = {tuple(p): greedy(tiny_target, p, MAX_TOKENS) for p in PROMPTS}
         # Warm: the first request builds what the server keeps (caches, the tokenizer's state).
         asyncio.run(plain(httpx.AsyncClient(timeout=60), url, 0))

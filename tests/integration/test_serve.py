@@ -60,11 +60,11 @@ def endpoint_argv(mode: str, port: int) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def server(workdir):
+def start_endpoint(workdir, mode: str) -> tuple[subprocess.Popen, str, int]:
+    """`dspark endpoint --mode MODE` on a free port, once healthy -> (process, url, port)."""
     port = free_port()
     proc = subprocess.Popen(
-        endpoint_argv("dspark_adaptive", port),
+        endpoint_argv(mode, port),
         cwd=workdir,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -72,13 +72,19 @@ def server(workdir):
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
+    while True:
         assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the endpoint did not become healthy"
         try:
             if httpx.get(f"{url}/health").status_code == 200:
-                break
+                return proc, url, port
         except httpx.HTTPError:
             time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+    proc, url, port = start_endpoint(workdir, "dspark_adaptive")
     yield url
     proc.terminate()
     proc.wait(30)

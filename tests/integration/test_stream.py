@@ -366,6 +366,23 @@ def test_killed_producer_samples_are_reassigned(tiny_target, tiny_target_dir, pr
     assert_exact(out, expected_samples(tiny_target, prepared, [0, 1]))
 
 
+def consume_stopping(tiny_target_dir, prepared, on_sample, state: dict):
+    """`consume` with slow producers (0.3 s a sample), `on_sample` free to SIGSTOP one and note
+    its pid in `state["pid"]`: whatever happens, that producer is continued afterwards."""
+    try:
+        return consume(
+            stream_params(),
+            tiny_target_dir,
+            prepared,
+            on_sample=on_sample,
+            overrides=lambda i: {"throttle_s": 0.3},
+        )
+    finally:
+        if "pid" in state:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(state["pid"], signal.SIGCONT)
+
+
 def test_stopped_producer_is_detected_and_its_samples_reassigned(
     tiny_target, tiny_target_dir, prepared
 ):
@@ -380,19 +397,7 @@ def test_stopped_producer_is_detected_and_its_samples_reassigned(
             stopped["at"] = time.monotonic()
             stopped["pid"] = stream.producers[0].pid
 
-    params = stream_params()
-    try:
-        out, stats = consume(
-            params,
-            tiny_target_dir,
-            prepared,
-            on_sample=freeze_first,
-            overrides=lambda i: {"throttle_s": 0.3},
-        )
-    finally:
-        if "pid" in stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped["pid"], signal.SIGCONT)
+    out, stats = consume_stopping(tiny_target_dir, prepared, freeze_first, stopped)
     assert "at" in stopped and stats.producers_lost >= 1
     assert stats.lost_at[0] - stopped["at"] < 10  # detected within 10 s, not a 60 s hang
     assert_exact(out, expected_samples(tiny_target, prepared, [0, 1]))
@@ -415,18 +420,7 @@ def test_a_stopped_producer_that_wakes_mid_stream_duplicates_nothing(
             os.kill(state["pid"], signal.SIGCONT)  # its samples went elsewhere meanwhile
             state["woke_at"] = n
 
-    try:
-        out, stats = consume(
-            stream_params(),
-            tiny_target_dir,
-            prepared,
-            on_sample=freeze_then_wake,
-            overrides=lambda i: {"throttle_s": 0.3},
-        )
-    finally:
-        if "pid" in state:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(state["pid"], signal.SIGCONT)
+    out, stats = consume_stopping(tiny_target_dir, prepared, freeze_then_wake, state)
     assert "woke_at" in state and state["woke_at"] < NUM  # woken while the stream still ran
     assert stats.producers_lost >= 1 and stats.reassigned >= 1
     assert_exact(out, expected_samples(tiny_target, prepared, [0, 1]))
