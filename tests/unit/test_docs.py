@@ -116,3 +116,24 @@ def test_the_checks_catch_what_they_should():
     assert "no-such-stage" not in dspark_subcommands()
     assert {"train", "evaluate", "benchmark", "standing"} <= dspark_subcommands()
     assert {"run", "test"} <= make_targets()
+
+
+def test_every_metrics_file_is_a_stages_or_named_by_a_page():
+    """metrics/ holds what the stages write, the full profile's run, the sweeps' tables and the
+    GPU checks; any other file there (a study's output) is named by the page that tells its
+    story, or it has no business being kept."""
+    from dspark import stages
+
+    written = {s.metrics for s in stages.STAGES}
+    written |= {stages.RUN_SUMMARY, stages.EVAL_REPORT, stages.BENCH_REPORT}
+    pages = "\n".join(p.read_text() for p in doc_files())
+    kept = ("metrics/full/", "metrics/sweeps/", "metrics/gpu/")
+    orphans = [
+        rel
+        for f in sorted((ROOT / "metrics").rglob("*"))
+        if f.is_file()
+        and (rel := f.relative_to(ROOT).as_posix()) not in written
+        and not rel.startswith(kept)
+        and f.name not in pages
+    ]
+    assert orphans == [], "named by no page in README.md, CHANGELOG.md or docs/"
