@@ -142,28 +142,7 @@ def test_producers_answer_prompts_as_they_capture(tiny_target, tiny_target_dir, 
     greedy one (teacher-forced against transformers), and every state a full forward's."""
     from dspark.decode.reference import TIE, Reference
 
-    train = tmp_path / "train.jsonl"
-    train.write_text(
-        "".join(
-            json.dumps({"category": "t", "prompt": f"Tell me about thing {i}, please."}) + "\n"
-            for i in range(NUM)
-        )
-    )
-    sets = [
-        f"data.train_sources=[{train}]",
-        f"prepare.num_samples={NUM}",
-        "prepare.shard_size=8",
-        "data.eval_counts={qa: 1}",
-        "prepare.max_new_tokens=6",
-        "prepare.engine=extract",
-        "extract.mode=offline",
-        "extract.decode_rows=4",
-    ]
-    params = stream_params(*sets)
-    paths = PreparePaths(
-        target=tiny_target_dir, shards=tmp_path / "shards", eval_prompts=tmp_path / "eval.jsonl"
-    )
-    prepared = prepare(params, tiny_target, paths, progress=False)
+    params, paths, prepared = answered_here(tiny_target, tiny_target_dir, tmp_path)
     assert prepared["response_tokens"] == 0 and prepared["gen_tok_s"] is None
     metrics = extract(
         params,
@@ -194,7 +173,8 @@ def test_producers_answer_prompts_as_they_capture(tiny_target, tiny_target_dir, 
 
 
 def answered_here(tiny_target, tiny_target_dir, tmp_path):
-    """Prompts that the producers answer (prepare.engine extract), prepared: (params, paths)."""
+    """Prompts that the producers answer (prepare.engine extract), prepared: (params, paths,
+    prepare's metrics)."""
     train = tmp_path / "train.jsonl"
     write_jsonl(
         train, [{"category": "t", "prompt": f"Describe place {i} briefly."} for i in range(NUM)]
@@ -212,8 +192,7 @@ def answered_here(tiny_target, tiny_target_dir, tmp_path):
     paths = PreparePaths(
         target=tiny_target_dir, shards=tmp_path / "shards", eval_prompts=tmp_path / "eval.jsonl"
     )
-    prepare(params, tiny_target, paths, progress=False)
-    return params, paths
+    return params, paths, prepare(params, tiny_target, paths, progress=False)
 
 
 def extract_into(params, tiny_target_dir, paths, out, overrides=None) -> dict:
@@ -234,7 +213,7 @@ def test_two_extractions_give_the_same_content_however_the_producers_run(
     by one producer of two slowed down (so the other takes most prompts, in other batches),
     then by one producer alone: the same token ids and bit-identical states, so the same
     content fingerprints, while the shards' arrival differs."""
-    params, paths = answered_here(tiny_target, tiny_target_dir, tmp_path)
+    params, paths, _ = answered_here(tiny_target, tiny_target_dir, tmp_path)
     alone = params.model_copy(update={"extract": params.extract.model_copy(update={"workers": 1})})
     runs = {
         "two": (params, None),
@@ -264,7 +243,7 @@ def test_a_full_disk_stops_extraction_in_one_line_and_it_resumes_once_space_is_b
     naming the shard and the bytes it needed, leaves no half-written file, and run again with
     space back it keeps the shards it finished and ends with the same content as a run that
     never ran short."""
-    params, paths = answered_here(tiny_target, tiny_target_dir, tmp_path)
+    params, paths, _ = answered_here(tiny_target, tiny_target_dir, tmp_path)
     shards = {"shard_size": 4}  # six shards: some fit, some do not
     params = params.model_copy(update={"extract": params.extract.model_copy(update=shards)})
     whole = extract_into(params, tiny_target_dir, paths, tmp_path / "whole")
