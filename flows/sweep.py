@@ -24,6 +24,11 @@ batches (dspark/train/cost.py; run it with nothing else on the machine), then gi
 point N steps and every other point the steps the same compute buys it (`train.max_steps`);
 the table keeps each point's step_s. `--seeds` runs every point once per `train.seed`.
 
+A sweep that stops part way (a session ends) continues with the same command and `--resume`:
+the points its table already holds with the same settings are kept, the rest run, and equal
+compute reuses the step costs measured the first time (kept in `<name>.plan.json` beside the
+table), so no point's budget depends on when it ran.
+
 `dvc exp run -S` writes into params.yaml, so the file is restored after every point and points
 never accumulate. The table, one row per point ranked by `--metric`, goes to
 metrics/sweeps/<name>.csv (and .json, with the command that made it).
@@ -130,6 +135,7 @@ def sweep(
     equal_compute: int | None = None,
     seeds: tuple[int, ...] = (),
     cost_batches: int = 4,
+    resume: bool = False,
 ) -> list[dict]:
     logger = get_run_logger()
     root_path = Path(root)
@@ -140,14 +146,14 @@ def sweep(
     stages.check_profile_sections(params_file)
     for s in settings:  # every point validates before the first one runs
         load_params(params_file, overrides=overrides(s))
-    step_s: list[float | None] = [None] * len(settings)
+    stem = root_path / "metrics" / "sweeps" / name
+    settings, step_s = plan_points(
+        stem, root_path, stage, settings, equal_compute, seeds, cost_batches, resume
+    )
     if equal_compute:
-        settings, step_s = _equal_compute(root_path, settings, equal_compute, cost_batches)
         for s, cost in zip(settings, step_s, strict=True):
             logger.info("%s: %.3f s a step -> %d steps", s, cost, s["train.max_steps"])
-    if seeds:
-        step_s = [c for c in step_s for _ in seeds]
-        settings = [{**s, "train.seed": seed} for s in settings for seed in seeds]
+    done = _done_rows(stem, name, settings, first) if resume else {}
     params = load_params(params_file)
     tracker = Tracker(params, root_path)
     parent = tracker.start(
@@ -158,11 +164,13 @@ def sweep(
     # `dvc exp run` leaves the last point's lock, outputs and metrics in the workspace: they
     # are put back afterwards (the outputs from DVC's cache), so a sweep changes nothing there.
     kept = {f: f.read_bytes() for f in workspace_files(root_path)}
-    stem = root_path / "metrics" / "sweeps" / name
     rows, ok = [], False
     try:
         for i, point in enumerate(settings, start=first):
             exp = f"{name}-{i}"
+            if exp in done:
+                logger.info("%s: done earlier (%s = %s), kept", exp, metric, done[exp].get(metric))
+                continue
             sets = dvc_sets(params_file, point)
             logger.info("%s: %s", exp, " ".join(sets[1::2]))
             dvc(["exp", "remove", exp], root_path)  # a rerun of the sweep replaces its points
@@ -216,6 +224,81 @@ def _equal_compute(
         [{**s, "train.max_steps": n} for s, n in zip(settings, steps, strict=True)],
         [c.step_s for c in costs],
     )
+
+
+def plan_points(
+    stem: Path,
+    root: Path,
+    stage: str,
+    settings: list[dict],
+    equal_compute: int | None,
+    seeds: tuple[int, ...],
+    cost_batches: int,
+    resume: bool,
+) -> tuple[list[dict], list[float | None]]:
+    """Every run's settings (equal compute's steps and the seeds applied) and the measured
+    seconds per step behind them. The plan is kept beside the table (`<name>.plan.json`), so a
+    sweep stopped part way (a session ends) continues with `--resume` on the same steps,
+    without timing again on a machine that may be busy by then."""
+    asked = _json(
+        {
+            "stage": stage,
+            "settings": settings,
+            "equal_compute": equal_compute,
+            "seeds": list(seeds),
+            "cost_batches": cost_batches if equal_compute else None,
+        }
+    )
+    plan = _read_plan(stem, asked) if resume else None
+    if plan is None:
+        step_s: list[float | None] = [None] * len(settings)
+        if equal_compute:
+            settings, step_s = _equal_compute(root, settings, equal_compute, cost_batches)
+        if seeds:
+            step_s = [c for c in step_s for _ in seeds]
+            settings = [{**s, "train.seed": seed} for s in settings for seed in seeds]
+        plan = {"asked": asked, "settings": _json(settings), "step_s": step_s}
+        write_text(_plan_path(stem), json.dumps(plan, indent=1) + "\n")
+    return plan["settings"], plan["step_s"]
+
+
+def _json(value):
+    """As it reads back from the plan file (tuples become lists)."""
+    return json.loads(json.dumps(value))
+
+
+def _plan_path(stem: Path) -> Path:
+    return stem.with_name(stem.name + ".plan.json")
+
+
+def _read_plan(stem: Path, asked: dict) -> dict | None:
+    """The plan an earlier run of this sweep wrote; None when there is none, an error when it
+    was made for another sweep."""
+    path = _plan_path(stem)
+    if not path.is_file():
+        return None
+    plan = json.loads(path.read_text())
+    if plan.get("asked") != asked:
+        raise ConfigError(
+            f"{path}: made for other points, settings, seeds or budget; "
+            "rerun without --resume, or under another --name"
+        )
+    return plan
+
+
+def _done_rows(stem: Path, name: str, settings: list[dict], first: int) -> dict[str, dict]:
+    """Rows of the table whose point ran with exactly these settings: a continued sweep
+    keeps them and runs the rest."""
+    table = stem.with_suffix(".json")
+    if not table.is_file():
+        return {}
+    rows = {r["exp"]: r for r in json.loads(table.read_text())["points"]}
+    done = {}
+    for i, point in enumerate(settings, start=first):
+        row = rows.get(f"{name}-{i}")
+        if row and all(row.get(k) == _cli_value(v) for k, v in point.items()):
+            done[row["exp"]] = row
+    return done
 
 
 def _write_table(stem: Path, rows: list[dict], metric: str, profile: str) -> list[dict]:
@@ -285,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--cost-batches", type=int, default=4, help="batches the step cost is timed on")
     ap.add_argument("--seeds", default="", help="comma-separated train.seed values per point")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue this sweep where it stopped: keep the points its table already has and "
+        "the step costs it measured (refused if the points or settings differ)",
+    )
     args = ap.parse_args(argv)
     try:
         points = [parse_point(p) for p in args.point]
@@ -296,18 +385,23 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, KeyError) as e:
         print(f"sweep: error: {e}", file=sys.stderr)
         return 2
-    rows = sweep(
-        args.name,
-        points,
-        args.stage,
-        fixed,
-        args.metric,
-        first=args.first,
-        columns=tuple(args.column),
-        equal_compute=args.equal_compute,
-        seeds=seeds,
-        cost_batches=args.cost_batches,
-    )
+    try:
+        rows = sweep(
+            args.name,
+            points,
+            args.stage,
+            fixed,
+            args.metric,
+            first=args.first,
+            columns=tuple(args.column),
+            equal_compute=args.equal_compute,
+            seeds=seeds,
+            cost_batches=args.cost_batches,
+            resume=args.resume,
+        )
+    except ConfigError as e:
+        print(f"sweep: error: {e}", file=sys.stderr)
+        return 2
     for r in rows:
         print("  ".join(f"{k}={v}" for k, v in r.items()))
     return 0

@@ -8,6 +8,8 @@ import pytest
 
 from dspark.errors import ConfigError
 from flows.sweep import (
+    _cli_value,
+    _done_rows,
     _write_table,
     check_equal_compute,
     dvc_sets,
@@ -103,3 +105,40 @@ def test_the_cli_refuses_a_bad_study_in_one_line(capsys):
     )
     err = capsys.readouterr().err.strip()
     assert err == "sweep: error: --equal-compute: step costs are the train stage's, not export's"
+
+
+def test_a_continued_sweep_keeps_its_plan_and_the_points_it_ran(tmp_path, monkeypatch):
+    """--resume gives every point the steps the first run measured (no timing again) and
+    skips the points the table holds with the same settings; a plan for another sweep is
+    refused."""
+    import flows.sweep as sweep_flow
+
+    timed = []
+
+    def fake_costs(root, settings, steps, batches):
+        timed.append(len(settings))
+        return [{**s, "train.max_steps": steps * (i + 1)} for i, s in enumerate(settings)], [
+            1.0 / (i + 1) for i in range(len(settings))
+        ]
+
+    monkeypatch.setattr(sweep_flow, "_equal_compute", fake_costs)
+    stem = tmp_path / "sweeps" / "slot0"
+    stem.parent.mkdir()
+    asked = [{"train.dspark.feature_input": "none"}, {"train.dspark.feature_input": "first"}]
+    first, step_s = sweep_flow.plan_points(stem, tmp_path, "train", asked, 10, (0, 1), 4, False)
+    assert [p["train.seed"] for p in first] == [0, 1, 0, 1] and step_s == [1.0, 1.0, 0.5, 0.5]
+    assert [p["train.max_steps"] for p in first] == [10, 10, 20, 20] and timed == [2]
+
+    again, same_s = sweep_flow.plan_points(stem, tmp_path, "train", asked, 10, (0, 1), 4, True)
+    assert (again, same_s, timed) == (first, step_s, [2])  # read back, not timed again
+
+    ran = [{"exp": "slot0-0", **{k: _cli_value(v) for k, v in first[0].items()}, "tau": 1.2}]
+    ran.append({"exp": "slot0-1", **{k: _cli_value(v) for k, v in first[0].items()}, "tau": 1})
+    _write_table(stem, ran, "tau", "full")
+    done = _done_rows(stem, "slot0", first, 0)
+    assert set(done) == {"slot0-0"}  # slot0-1's row has point 0's seed: not point 1's run
+
+    with pytest.raises(ConfigError, match="made for other points"):
+        sweep_flow.plan_points(stem, tmp_path, "train", asked[:1], 10, (0, 1), 4, True)
+    fresh, _ = sweep_flow.plan_points(stem, tmp_path, "train", asked[:1], 10, (0, 1), 4, False)
+    assert len(fresh) == 2 and timed == [2, 1]  # without --resume: planned anew
