@@ -8,6 +8,7 @@ beside the stage's outputs so the edge can follow it live without the library kn
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import time
@@ -38,6 +39,36 @@ def git_commit(repo: Path | str = ".") -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return f"{sha}-dirty" if dirty else sha
+
+
+# The instruction sets a CPU speed figure depends on (oneDNN and MKL pick kernels by them).
+SPEED_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The CPU a speed figure was measured on: its model, cores and the SPEED_FLAGS it has."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return {"model": "unknown", "cores": os.cpu_count(), "flags": []}
+    fields = dict(line.split(":", 1) for line in text.split("\n\n")[0].splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    have = set(fields.get("flags", "").split())
+    return {
+        "model": fields.get("model name", "unknown"),
+        "cores": os.cpu_count(),
+        "flags": [f for f in SPEED_FLAGS if f in have],
+    }
 
 
 def cpu_seconds() -> float:

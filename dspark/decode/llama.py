@@ -35,12 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.layers import (
-    Attention,
     LayerShape,
-    PreNormBlock,
     RMSNorm,
     apply_rope,
     gqa_attention,
@@ -142,33 +141,105 @@ def rows_alone(q, cache_k, cache_v, mask: RowsAlone) -> torch.Tensor:
     return out
 
 
-class CachedAttention(Attention):
-    """The drafts' attention projections, reading and writing the static cache."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm` of the drafts' layers in one call: torch's fused kernel gives the same bits
+    as its op-by-op formula for an fp32 target (checked in tests/unit/test_decode_llama.py)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
-    def forward(self, x, rope, cache_k, cache_v, write_pos, mask, span, packing=None):
+
+@dataclass(frozen=True)
+class StepMask:
+    """What every layer's attention of one forward needs, built once for all of them: which of
+    the first `span` slots each query sees, laid out as the grouped SDPA call takes it
+    ([B, 1, g*T, span]), or None when every query sees every slot (one new token per row,
+    nothing padded)."""
+
+    sdpa: torch.Tensor | None
+
+
+LAYER_WEIGHTS = {
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    *(f"self_attn.{n}_proj.weight" for n in "qkvo"),
+    *(f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")),
+}
+
+
+class TargetLayer(nn.Module):
+    """One decoder layer of the target, its projections fused as the engine runs them: q, k
+    and v in one matrix, gate and up in another. A fused multiply's outputs are the same bits
+    as the separate ones (oneDNN/MKL reduce each output column alone); what it saves is the
+    calls, which dominate a pass of a few tokens."""
+
+    def __init__(self, s: LayerShape):
+        super().__init__()
+        self.s = s
+        h, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.input_norm = nn.Parameter(torch.ones(h))
+        self.qkv = nn.Linear(h, q + 2 * kv, bias=False)
+        self.o_proj = nn.Linear(q, h, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(h))
+        self.gate_up = nn.Linear(h, 2 * s.intermediate_size, bias=False)
+        self.down = nn.Linear(s.intermediate_size, h, bias=False)
+
+    def load_hf(self, theirs: dict[str, torch.Tensor], prefix: str) -> None:
+        """Copy a transformers Llama layer's weights (`prefix` = 'model.layers.i.')."""
+        w = {k.removeprefix(prefix): v for k, v in theirs.items() if k.startswith(prefix)}
+        unknown = sorted(set(w) - LAYER_WEIGHTS)
+        if unknown:  # a bias or a norm this layer lacks would otherwise be dropped silently
+            raise ValueError(f"{prefix}{unknown[0]}: not a weight of the engine's Llama layer")
+        with torch.no_grad():
+            self.input_norm.copy_(w["input_layernorm.weight"])
+            self.post_norm.copy_(w["post_attention_layernorm.weight"])
+            self.qkv.weight.copy_(
+                torch.cat([w[f"self_attn.{n}_proj.weight"] for n in ("q", "k", "v")])
+            )
+            self.o_proj.weight.copy_(w["self_attn.o_proj.weight"])
+            self.gate_up.weight.copy_(
+                torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]])
+            )
+            self.down.weight.copy_(w["mlp.down_proj.weight"])
+
+    def forward(self, x, rope, cache_k, cache_v, write, mask, span, packing=None):
         """x [B, T, H] ([1, N, H] packed); cache_k/v [B, nkv, M, d] (this layer's, updated in
-        place); write_pos [B, T]; mask [B, T, span]: which of the first `span` slots each
-        query sees (None: causal, T == span; RowLengths: causal within each row's length)."""
+        place); write: (rows [B, 1], slots [B, T]) where each token's key and value go; mask:
+        a StepMask, None (causal, T == span), RowLengths or RowsAlone."""
         s = self.s
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        eps = s.rms_norm_eps
+        nh, nkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        qkv = self.qkv(rms_norm(x, self.input_norm, eps))
         if packing is not None:
-            q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
-        b, t, _ = q.shape
-        q = q.reshape(b, t, s.num_heads, s.head_dim).transpose(1, 2)
-        k = k.reshape(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        v = v.reshape(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        rows = torch.arange(b, device=x.device)[:, None]
-        cache_k[rows, :, write_pos] = k.transpose(1, 2)  # [B, T, nkv, d] into slots
-        cache_v[rows, :, write_pos] = v.transpose(1, 2)
-        keys, values = cache_k[:, :, :span], cache_v[:, :, :span]
-        if isinstance(mask, RowsAlone):
+            qkv = packing.unpack(qkv)
+        b, t, _ = qkv.shape
+        # q and k rotate together: one rope for both, the same bits as two.
+        qk = qkv[..., : (nh + nkv) * d].reshape(b, t, nh + nkv, d).transpose(1, 2)
+        qk = apply_rope(qk, *rope)
+        q, k = qk[:, :nh], qk[:, nh:]  # [B, nh, T, d], [B, nkv, T, d]
+        v = qkv[..., (nh + nkv) * d :].reshape(b, t, nkv, d)
+        rows, slots = write
+        cache_k[rows, :, slots] = k.transpose(1, 2)  # [B, T, nkv, d] into slots
+        cache_v[rows, :, slots] = v
+        if isinstance(mask, StepMask):
+            out = _grouped_attention(q, cache_k[:, :, :span], cache_v[:, :, :span], mask.sdpa)
+        elif isinstance(mask, RowsAlone):
             out = rows_alone(q, cache_k, cache_v, mask)
         elif isinstance(mask, RowLengths):
-            out = causal_rows(q, keys, values, mask.lengths)
+            out = causal_rows(q, cache_k[:, :, :span], cache_v[:, :, :span], mask.lengths)
         else:
-            out = gqa_attention(q, keys, values, mask)  # [B, T, nh*d]
-        return self.o_proj(out if packing is None else packing.pack(out))
+            out = gqa_attention(q, cache_k[:, :, :span], cache_v[:, :, :span], None)
+        x = x + self.o_proj(out if packing is None else packing.pack(out))
+        gate, up = self.gate_up(rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def _grouped_attention(q, k, v, sdpa_mask) -> torch.Tensor:
+    """`gqa_attention` with its mask already laid out for every layer: q [B, nh, T, d]; k, v
+    [B, nkv, span, d]; sdpa_mask [B, 1, g*T, span] or None (every query sees every key)
+    -> [B, T, nh*d]."""
+    b, nh, t, d = q.shape
+    nkv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, nkv, nh // nkv * t, d), k, v, sdpa_mask)
+    return out.reshape(b, nh, t, d).transpose(1, 2).reshape(b, t, nh * d)
 
 
 class Llama(nn.Module):
@@ -181,7 +252,7 @@ class Llama(nn.Module):
         self.s = s
         self.row_invariant = False  # see the module's docstring
         self.embed_tokens = nn.Embedding(vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(PreNormBlock(s, CachedAttention(s)) for _ in range(num_layers))
+        self.layers = nn.ModuleList(TargetLayer(s) for _ in range(num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.lm_head = nn.Linear(s.hidden_size, vocab_size, bias=False)
 
@@ -191,11 +262,16 @@ class Llama(nn.Module):
         cfg = model.config.to_dict()
         ours = cls(LayerShape.from_hf(cfg), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"]))
         theirs = model.state_dict()
-        state = {k.removeprefix("model."): v for k, v in theirs.items()}
-        state.setdefault("lm_head.weight", theirs["model.embed_tokens.weight"])  # tied
         dtype = next(model.parameters()).dtype
-        ours.load_state_dict(state)
-        return ours.to(dtype).eval().requires_grad_(False)
+        ours.to(dtype).requires_grad_(False)
+        with torch.no_grad():
+            ours.embed_tokens.weight.copy_(theirs["model.embed_tokens.weight"])
+            ours.norm.weight.copy_(theirs["model.norm.weight"])
+            head = theirs.get("lm_head.weight", theirs["model.embed_tokens.weight"])  # tied
+            ours.lm_head.weight.copy_(head)
+        for i, layer in enumerate(ours.layers):
+            layer.load_hf(theirs, f"model.layers.{i}.")
+        return ours.eval()
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         """A cache of `slots` positions per row (plus the scratch slot)."""
@@ -208,6 +284,28 @@ class Llama(nn.Module):
         """-> the greedy choice after every token [B, T], and the taps (as `forward`)."""
         logits, kept = self(tokens, positions, cache, valid, taps=taps)
         return logits.argmax(-1), kept
+
+    def _mask(self, positions, valid, span):
+        """How this forward's queries attend, decided once for every layer: None for a prefill
+        of whole rows from position 0 (the causal kernel), RowLengths for a ragged one (each
+        row causal alone), else a StepMask."""
+        b, t = positions.shape
+        slot = torch.arange(span, device=positions.device)
+        from_zero = t == span and bool((positions == slot).all())
+        all_valid = bool(valid.all())
+        if from_zero and all_valid:
+            return None
+        if from_zero and self.ragged_causal:
+            lengths = valid.sum(1)
+            if bool((valid == (slot < lengths[:, None])).all()):
+                return RowLengths(lengths.tolist())
+        if t == 1 and all_valid and bool((positions[:, 0] == span - 1).all()):
+            return StepMask(None)  # one token a row, each at the last slot: it sees them all
+        # Query at position p sees slots <= p; a padded query sees slot 0 (output unused).
+        sees = (slot[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
+        sees[..., 0] |= ~valid
+        g = self.s.num_heads // self.s.num_kv_heads
+        return StepMask(sees[:, None, None].expand(b, 1, g, t, span).reshape(b, 1, g * t, span))
 
     @torch.no_grad()
     def forward(
@@ -231,27 +329,16 @@ class Llama(nn.Module):
             raise ValueError(f"position {last} is beyond the cache's {cache.scratch} slots")
         write_pos = torch.where(valid, positions, torch.full_like(positions, cache.scratch))
         span = last + 1  # no row reads past its last token
-        slot = torch.arange(span, device=tokens.device)
-        # Query at position p sees slots <= p; a padded query sees slot 0 (output unused).
         b, t = tokens.shape
-        mask = None  # a prefill from position 0 of whole rows: the causal kernel, no mask
-        from_zero = t == span and bool((positions == slot).all())
-        if not (from_zero and bool(valid.all())):
-            lengths = valid.sum(1)
-            if (
-                from_zero
-                and self.ragged_causal
-                and bool((valid == (slot < lengths[:, None])).all())
-            ):
-                mask = RowLengths(lengths.tolist())  # a ragged prefill: each row causal alone
-            else:
-                mask = (slot[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
-                mask[..., 0] |= ~valid
         rope = rope_cos_sin(positions, self.s.head_dim, self.s.rope_theta)
         packing = None
         x = self.embed_tokens(tokens)
+        mask = (
+            RowsAlone(positions, valid)
+            if self.row_invariant
+            else self._mask(positions, valid, span)
+        )
         if self.row_invariant:
-            mask = RowsAlone(positions, valid)
             index = torch.nonzero(valid.flatten()).flatten()
             packing = Packing(index, b, t, pad=max(0, MIN_ROWS - index.numel()))
             x = packing.pack(x)
@@ -259,9 +346,10 @@ class Llama(nn.Module):
             index = torch.nonzero(valid.flatten()).flatten()
             packing = Packing(index, b, t)
             x = packing.pack(x)
+        write = (torch.arange(b, device=tokens.device)[:, None], write_pos)
         kept: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, cache.k[i], cache.v[i], write_pos, mask, span, packing)
+            x = layer(x, rope, cache.k[i], cache.v[i], write, mask, span, packing)
             if i in taps:
                 kept[i] = x if packing is None else packing.unpack(x)
         if logits_at is not None:
@@ -273,5 +361,6 @@ class Llama(nn.Module):
                 n = x.shape[0] * x.shape[1]
                 packing = Packing(torch.arange(n), x.shape[0], x.shape[1], max(0, MIN_ROWS - n))
                 x = packing.pack(x)
-        out = self.lm_head(self.norm(x)) if logits else self.norm(x)
+        x = rms_norm(x, self.norm.weight, self.norm.eps)
+        out = self.lm_head(x) if logits else x
         return (out if packing is None else packing.unpack(out)), kept

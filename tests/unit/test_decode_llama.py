@@ -94,3 +94,37 @@ def test_a_ragged_prefill_attends_row_by_row_as_the_explicit_mask_does(tiny_targ
         assert (cr.v[:, r, :, :n] - cm.v[:, r, :, :n]).abs().max().item() < 1e-5
         alone, _ = model(ids[r : r + 1, :n], pos[:1, :n], model.new_cache(1, n + 1))
         assert (alone[0, -1] - lr[r, 0]).abs().max().item() < 1e-4
+
+
+def test_the_fused_pieces_give_the_same_bits_as_the_plain_ones():
+    """The engine's fast path changes no bit: torch's fused RMSNorm equals the drafts' op-by-op
+    module, and a one-token step that attends without a mask equals the explicit all-true
+    mask."""
+    from dspark.decode.llama import _grouped_attention, rms_norm
+    from dspark.models.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=gen))
+        for rows in (1, 3, 40):
+            x = torch.randn(2, rows, 64, generator=gen) * 3
+            assert torch.equal(rms_norm(x, norm.weight, norm.eps), norm(x))
+    q = torch.randn(2, 6, 1, 8, generator=gen)  # 6 query heads over 2 kv heads, one token
+    k, v = torch.randn(2, 2, 37, 8, generator=gen), torch.randn(2, 2, 37, 8, generator=gen)
+    everything = torch.ones(2, 1, 3, 37, dtype=torch.bool)
+    assert torch.equal(_grouped_attention(q, k, v, None), _grouped_attention(q, k, v, everything))
+    assert torch.equal(
+        _grouped_attention(q, k, v, None), gqa_attention(q, k, v, everything[0, 0, :1])
+    )
+
+
+def test_a_weight_the_engine_lacks_is_refused_by_name(tiny_target):
+    """A Llama variant with, say, attention biases would otherwise lose them silently."""
+    state = dict(tiny_target.model.state_dict())
+    state["model.layers.1.self_attn.q_proj.bias"] = torch.zeros(1)
+    model = Llama.from_hf(tiny_target.model)
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.1\.self_attn\.q_proj\.bias: not a weight"
+    ):
+        model.layers[1].load_hf(state, "model.layers.1.")

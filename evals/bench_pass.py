@@ -1,0 +1,202 @@
+"""The target's pass against its floor: for k tokens in one row, what the engine's forward
+costs, what its matrix multiplies alone cost, and what reading its bytes must cost.
+
+    python -m evals.bench_pass [--tokens 1 2 3 4 6 8 12 16 24 32] [--context 300] [--repeats 15]
+
+A decode pass of a few tokens reads every weight once (about 540 MB for SmolLM2 in fp32) and
+does little arithmetic on each, so its floor is the bytes it must read (weights, and the keys
+and values of the context) over the machine's read bandwidth, measured here in the same run.
+From some k on the arithmetic takes over: the compute floor is the pass's multiply-adds over a
+large cache-resident multiply's rate, also measured here. Between the floor and the engine sit
+the multiplies themselves (the same shapes through `F.linear`, nothing else) and everything
+else the engine does (attention, norms, rope, cache writes, Python); the profile of the 1- and
+2-token passes (torch.profiler, per operator, ms per pass) says which.
+
+Measurements alternate between the engine and the bare multiplies per repeat, so a busy
+machine shifts both alike; run it alone all the same. Prints a table and writes
+metrics/studies/target_pass.json, with the CPU's flags and the thread count beside the figures.
+Needs the provision stage's artifacts/target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from dspark.config import load_params
+from dspark.decode.llama import Llama
+from dspark.metrics import cpu_features, write_metrics
+from dspark.models.target import load_target_for, set_threads
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def weights(model: Llama) -> list[torch.Tensor]:
+    """Every matrix a pass multiplies by, as the engine lays them out."""
+    out = []
+    for layer in model.layers:
+        out += [layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight]
+    return [*out, model.lm_head.weight]
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes per second a sum over a buffer far larger than the caches reads (median)."""
+    buf = torch.ones(int(gib * 2**30) // 4)
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t0)
+    return buf.numel() * 4 / statistics.median(times)
+
+
+def gemm_rate(repeats: int = 20) -> float:
+    """Multiply-adds per second of a large multiply whose operands stay in cache."""
+    x, w = torch.randn(512, 576), torch.randn(1536, 576)
+    F.linear(x, w)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        F.linear(x, w)
+    return repeats * x.shape[0] * w.numel() / (time.perf_counter() - t0)
+
+
+class Pass:
+    """One row at `context` tokens, verifying k more: the engine's forward and the same
+    multiplies alone, timed in turn."""
+
+    def __init__(self, model: Llama, context: int, k: int, gen: torch.Generator):
+        self.model, self.context, self.k = model, context, k
+        vocab = model.embed_tokens.num_embeddings
+        self.cache = model.new_cache(1, context + k + 1)
+        prompt = torch.randint(0, vocab, (1, context), generator=gen)
+        model(prompt, torch.arange(context)[None], self.cache, logits_at=torch.zeros(1, 1).long())
+        self.tokens = torch.randint(0, vocab, (1, k), generator=gen)
+        self.positions = (context + torch.arange(k))[None]
+        self.inputs = {
+            w.shape[1]: torch.randn(1, k, w.shape[1], generator=gen) for w in weights(model)
+        }
+        self.weights = weights(model)
+
+    def engine(self) -> float:
+        t0 = time.perf_counter()
+        self.model(self.tokens, self.positions, self.cache)
+        return time.perf_counter() - t0
+
+    def multiplies(self) -> float:
+        t0 = time.perf_counter()
+        for w in self.weights:
+            F.linear(self.inputs[w.shape[1]], w)
+        return time.perf_counter() - t0
+
+    def bytes_read(self) -> int:
+        s = self.model.s
+        kv = 2 * len(self.model.layers) * s.num_kv_heads * s.head_dim * (self.context + self.k)
+        return sum(w.numel() for w in self.weights) * 4 + kv * 4
+
+    def multiply_adds(self) -> int:
+        return self.k * sum(w.numel() for w in self.weights)
+
+
+def operator_profile(p: Pass, passes: int = 10, top: int = 12) -> list[dict]:
+    """ms per pass by operator (self time), the largest first."""
+    p.engine()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(passes):
+            p.engine()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in rows) / 1000 / passes
+    out = [
+        {
+            "op": e.key,
+            "ms": round(e.self_cpu_time_total / 1000 / passes, 3),
+            "calls": e.count // passes,
+        }
+        for e in rows[:top]
+    ]
+    rest = total - sum(r["ms"] for r in out)
+    calls = sum(e.count for e in rows[top:]) // passes
+    return [*out, {"op": "(the rest)", "ms": round(rest, 3), "calls": calls}]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=None, help="default: every core")
+    ap.add_argument("--target", type=Path, default=ROOT / "artifacts" / "target")
+    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "target_pass.json")
+    args = ap.parse_args(argv)
+    if min(args.tokens) < 1 or args.context < 1 or args.repeats < 3:
+        ap.error("--tokens and --context at least 1, --repeats at least 3")
+    params = load_params(ROOT / "params.yaml")
+    threads = set_threads(args.threads)
+    model = Llama.from_hf(load_target_for(params.target, args.target).model)
+    gen = torch.Generator().manual_seed(0)
+    bandwidth, rate = read_bandwidth(), gemm_rate()
+    rows, profiles = [], {}
+    for k in args.tokens:
+        p = Pass(model, args.context, k, gen)
+        p.engine(), p.multiplies()  # warm
+        engine, mults = [], []
+        for _ in range(args.repeats):
+            engine.append(p.engine())
+            mults.append(p.multiplies())
+        floor = max(p.bytes_read() / bandwidth, p.multiply_adds() / rate)
+        e, m = statistics.median(engine) * 1000, statistics.median(mults) * 1000
+        rows.append(
+            {
+                "tokens": k,
+                "engine_ms": round(e, 2),
+                "multiplies_ms": round(m, 2),
+                "floor_ms": round(floor * 1000, 2),
+                "engine_over_multiplies": round(e / m, 3),
+                "engine_over_floor": round(e / (floor * 1000), 3),
+            }
+        )
+        if k in (1, 2):
+            profiles[str(k)] = operator_profile(p)
+    one = next((r for r in rows if r["tokens"] == 1), None)
+    if one:
+        for r in rows:
+            r["engine_over_one"] = round(r["engine_ms"] / one["engine_ms"], 3)
+    print(f"context {args.context}, {threads} threads; read {bandwidth / 1e9:.1f} GB/s, "
+          f"multiply {rate / 1e9:.1f} G multiply-adds/s")  # fmt: skip
+    head = ("k", "engine ms", "multiplies", "floor", "eng/mult", "eng/floor")
+    print("".join(f"{h:>11}" for h in head))
+    for r in rows:
+        cells = [r["tokens"], r["engine_ms"], r["multiplies_ms"], r["floor_ms"]]
+        cells += [r["engine_over_multiplies"], r["engine_over_floor"]]
+        print("".join(f"{c:>11}" for c in cells))
+    for k, ops in profiles.items():
+        print(f"\nk={k}, ms per pass by operator:")
+        for op in ops:
+            print(f"  {op['ms']:>8.3f}  {op['calls']:>5}  {op['op']}")
+    write_metrics(
+        args.out,
+        params.profile,
+        {
+            "command": "python -m evals.bench_pass "
+            + " ".join(sys.argv[1:] if argv is None else argv),
+            "cpu": cpu_features(),
+            "threads": threads,
+            "context": args.context,
+            "repeats": args.repeats,
+            "read_bytes_per_s": round(bandwidth),
+            "multiply_adds_per_s": round(rate),
+            "passes": rows,
+            "profile_ms": profiles,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
