@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(e)
     e.add_argument(
-        "--mode", required=True, help="none, ngram, eagle3, dflash, dspark_fixed, dspark_adaptive"
+        "--mode",
+        required=True,
+        help="none, ngram, eagle3, dflash, dspark_fixed, dspark_adaptive, hybrid",
     )
     e.add_argument("--host", help="bind address (default: serve.host, loopback)")
     e.add_argument("--port", type=int, help="port (default: serve.port)")

@@ -51,7 +51,7 @@ PosFloat = Annotated[float, Field(gt=0.0)]
 Dtype = Literal["float32", "bfloat16", "float16"]
 # The trained drafts (dspark.drafts registers a kind under each name), and what evaluate decodes.
 Draft = Literal["dspark", "eagle3", "dflash"]
-Method = Literal["dspark", "eagle3", "dflash", "ngram", "none"]
+Method = Literal["dspark", "eagle3", "dflash", "ngram", "hybrid", "none"]
 
 
 class Section(BaseModel):
@@ -514,6 +514,25 @@ class NgramConfig(Section):
         return self
 
 
+class HybridConfig(Section):
+    """The `hybrid` method and serving mode (dspark.decode.hybrid): each step and row, a suffix
+    lookup over the prompt and output or a trained draft, by expected accepted length."""
+
+    draft: Draft = Field(
+        "dspark",
+        description="the trained draft the suffix lookup competes with, proposing its whole "
+        "block each step; DSpark's confidence head sharpens the choice",
+    )
+    k: PosInt | None = Field(
+        None, description="suffix tokens proposed per step (default: the draft's block)"
+    )
+    max_match: PosInt = Field(
+        64,
+        description="the longest suffix matched, in tokens; each new token updates at most "
+        "this many entries of the row's index",
+    )
+
+
 class LmEvalConfig(Section):
     limit: NonNegInt = Field(
         5, description="GSM8K problems scored through lm-eval per method (0: skip)"
@@ -525,7 +544,8 @@ class LmEvalConfig(Section):
 
 
 class EvalGoals(Section):
-    """Issue 5's goals on the nine-category mean tau (judged on the full profile)."""
+    """Issue 5's goals, and issue 49's for the hybrid, on the nine-category mean tau (judged on
+    the full profile)."""
 
     dspark_over_eagle3: Annotated[float, Field(gt=0.0)] = Field(
         1.15, description="DSpark's mean tau over EAGLE-3's, at least"
@@ -535,6 +555,11 @@ class EvalGoals(Section):
     )
     dspark_over_dflash: Annotated[float, Field(gt=0.0)] = Field(
         1.15, description="DSpark's mean tau over DFlash's, at least (the seed paper: +16-18%)"
+    )
+    hybrid_over_sources: Annotated[float, Field(gt=0.0)] = Field(
+        1.25,
+        description="the hybrid's mean tau over the better of its draft's and n-gram's, at "
+        "least (issue 49)",
     )
 
 
@@ -570,6 +595,7 @@ class EvaluateConfig(Section):
         "sampled; the speed columns come from these (0: replay only)",
     )
     ngram: NgramConfig = NgramConfig()
+    hybrid: HybridConfig = HybridConfig()
     lm_eval: LmEvalConfig = LmEvalConfig()
     goals: EvalGoals = EvalGoals()
     seed: int = 0
@@ -591,6 +617,7 @@ class ServeConfig(Section):
     ngram_window: tuple[PosInt, PosInt] = Field(
         (1, 3), description="ngram mode's (min, max) match length; evaluate's sweep picks it"
     )
+    hybrid: HybridConfig = HybridConfig()
     smoothing: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(
         0.8, description="dspark_adaptive: EMA weight of the past survival curve"
     )
@@ -605,7 +632,9 @@ class ServeConfig(Section):
 
 
 # none_vllm: vLLM's own server (`make vllm-venv`) on the target alone, a reference for `none`.
-Mode = Literal["none", "ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive", "none_vllm"]
+Mode = Literal[
+    "none", "ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive", "hybrid", "none_vllm"
+]
 
 
 class BenchmarkGoals(Section):
@@ -713,16 +742,24 @@ class Params(Section):
         """A method or mode that drafts with a trained draft needs it in train.drafts: found
         here in one line, not when the evaluation or the benchmark loads it hours in."""
         trained = self.train.drafts
+
+        def drafts_with(name: str, section: str) -> tuple[str, str]:
+            """-> (the draft a method or mode loads, where that choice is made if not by name)."""
+            if name == "hybrid":
+                hybrid = self.serve.hybrid if section == "serve" else self.evaluate.hybrid
+                return hybrid.draft, f" ({section}.hybrid.draft)"
+            return name.removesuffix("_fixed").removesuffix("_adaptive"), ""
+
         uses = [
-            *(("evaluate.methods", m, m) for m in self.evaluate.methods),
-            *(("evaluate.lm_eval.methods", m, m) for m in self.evaluate.lm_eval.methods),
-            *(("benchmark.modes", m, m.removesuffix("_fixed").removesuffix("_adaptive"))
-              for m in self.benchmark.modes),
+            *(("evaluate.methods", m, *drafts_with(m, "evaluate")) for m in self.evaluate.methods),
+            *(("evaluate.lm_eval.methods", m, *drafts_with(m, "evaluate"))
+              for m in self.evaluate.lm_eval.methods),
+            *(("benchmark.modes", m, *drafts_with(m, "serve")) for m in self.benchmark.modes),
         ]  # fmt: skip
-        for field, name, draft in uses:
+        for field, name, draft, chosen in uses:
             if draft in get_args(Draft) and draft not in trained:
                 raise ValueError(
-                    f"{field}: {name} needs the {draft} draft, which train.drafts "
+                    f"{field}: {name} needs the {draft} draft{chosen}, which train.drafts "
                     f"({', '.join(trained)}) does not train"
                 )
         return self

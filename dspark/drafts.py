@@ -3,8 +3,9 @@ by method name comes through here (evaluate, serve, lm-eval, export), so adding 
 one `register_draft` call in this file.
 
     draft kind  what a checkpoint's `model.kind` names: its config, model and proposer classes
-    method      what evaluate, serve and lm-eval ask for: `none`, `ngram`, and one per draft
-                kind (the trained folder `<drafts>/<kind>`) -> a builder of its proposer
+    method      what evaluate, serve and lm-eval ask for: `none`, `ngram`, one per draft kind
+                (the trained folder `<drafts>/<kind>`), and `hybrid` (a suffix lookup beside
+                the trained draft its config names) -> a builder of its proposer
 
 Both tables refuse a second registration under a taken name: two owners of one name would
 make the winner depend on import order.
@@ -13,16 +14,18 @@ make the winner depend on import order.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, TypeVar
 
 import torch
 from torch import nn
 
-from dspark.config import Params
+from dspark.config import HybridConfig, Params
 from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
+from dspark.decode.hybrid import HybridProposer
 from dspark.decode.proposers import NgramProposer, NoProposer, Proposer
+from dspark.decode.suffix import SuffixProposer
 from dspark.errors import ConfigError, DataError
 from dspark.models.dflash import DFlashConfig, DFlashDraft
 from dspark.models.dspark import DSparkConfig, DSparkDraft
@@ -108,6 +111,7 @@ class ProposerContext:
     drafts: Path  # the train stage's output: one folder per trained draft
     ngram_k: int  # tokens an n-gram proposer drafts per step
     ngram_window: tuple[int, int]  # its (min, max) match length
+    hybrid: HybridConfig = field(default_factory=HybridConfig)  # the stage's own section's
 
     # n-gram drafts as many tokens as a DSpark block unless its section says otherwise.
     @classmethod
@@ -115,13 +119,13 @@ class ProposerContext:
         """evaluate.ngram's k, and its first window (vLLM's default; the stage sweeps all)."""
         ng = params.evaluate.ngram
         k = ng.k or params.train.dspark.block_size
-        return cls(target, Path(drafts), k, tuple(ng.windows[0]))
+        return cls(target, Path(drafts), k, tuple(ng.windows[0]), params.evaluate.hybrid)
 
     @classmethod
     def for_serve(cls, params: Params, target: Target, drafts: Path) -> ProposerContext:
         s = params.serve
         k = s.ngram_k or params.train.dspark.block_size
-        return cls(target, Path(drafts), k, tuple(s.ngram_window))
+        return cls(target, Path(drafts), k, tuple(s.ngram_window), s.hybrid)
 
 
 Builder = Callable[[ProposerContext], Proposer]
@@ -141,9 +145,21 @@ METHODS.register("none", lambda ctx: NoProposer())
 METHODS.register(
     "ngram", lambda ctx: NgramProposer(ctx.ngram_k, *ctx.ngram_window, ctx.target.vocab_size)
 )
+
+
+def _hybrid(ctx: ProposerContext) -> HybridProposer:
+    """The suffix lookup beside the trained draft the stage's `hybrid.draft` names, proposing as
+    many tokens as the draft's block unless `hybrid.k` says otherwise."""
+    h = ctx.hybrid
+    draft = trained_proposer(ctx, h.draft)
+    suffix = SuffixProposer(h.k or draft.k, h.max_match, ctx.target.vocab_size)
+    return HybridProposer(draft, suffix, ctx.target.vocab_size)
+
+
 register_draft(DraftKind(DSparkConfig, DSparkDraft, DSparkProposer, _block_model))
 register_draft(DraftKind(Eagle3Config, Eagle3Draft, Eagle3Proposer))
 register_draft(DraftKind(DFlashConfig, DFlashDraft, DFlashProposer, _block_model))
+METHODS.register("hybrid", _hybrid)
 
 
 # --- building and loading ---------------------------------------------------------------------

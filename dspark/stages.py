@@ -373,7 +373,7 @@ STAGES: tuple[Stage, ...] = (
             Plot("plots/eval.png"),
         ),
         artifacts=(EVAL_REPORT, "plots/eval.png", "plots/eval_tau.csv"),
-        children=("dspark", "eagle3", "dflash", "ngram", "none"),
+        children=("dspark", "eagle3", "dflash", "ngram", "hybrid", "none"),
     ),
     Stage(
         name="benchmark",
@@ -396,6 +396,7 @@ STAGES: tuple[Stage, ...] = (
             "dflash",
             "dspark_fixed",
             "dspark_adaptive",
+            "hybrid",
             "none_vllm",
         ),
     ),

@@ -6,11 +6,16 @@ engine calls `extend` with the target's features for the positions that pass mad
 model-based proposer keeps its own cache of them. Both calls may cover a contiguous run of the
 rows `start` allocated (`rows`): a server admits one row, or steps only the rows in use.
 
-    none   drafts nothing: plain decoding, one token per target step
-    ngram  prompt lookup: the tokens that followed the latest earlier occurrence of the longest
-           suffix n-gram (vLLM's `ngram` method; its default window is n = 5..5)
+    none    drafts nothing: plain decoding, one token per target step
+    ngram   prompt lookup: the tokens that followed the latest earlier occurrence of the longest
+            suffix n-gram (vLLM's `ngram` method; its default window is n = 5..5)
+    suffix  the same lookup over a suffix automaton of each row's prompt and output, grown
+            token by token: the longest suffix of any length up to a cap, continued from its
+            latest earlier occurrence (`dspark.decode.suffix`; the hybrid's, not a method)
+    hybrid  per step and row, the suffix lookup's drafts or a trained draft's, whichever the
+            row's own measured acceptance expects to get more accepted (`dspark.decode.hybrid`)
 
-The model-based proposers (DSpark, EAGLE-3) live in `dspark.decode.drafters`.
+The model-based proposers (DSpark, EAGLE-3, DFlash) live in `dspark.decode.drafters`.
 
 Shape glossary: B rows, M slots per row, T new positions, k drafted tokens, V vocabulary.
 """

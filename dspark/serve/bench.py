@@ -35,7 +35,7 @@ from dspark.serve.rounds import paired_ratio, per_round, round_max, spread
 from dspark.serve.workload import build_requests
 from dspark.stopping import exit_on_sigterm
 
-SPECULATIVE = ("ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive")
+SPECULATIVE = ("ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive", "hybrid")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ Modes (what drafts, and how many drafts each row sends to verification):
     dspark_fixed     the DSpark draft, k drafts per row (k in params)
     dspark_adaptive  the DSpark draft, each step's budget and split from its confidences
                      (dspark.serve.scheduler), against the verify cost profiled at start
+    hybrid           per step and request, a suffix lookup's drafts or a trained draft's
+                     block (`serve.hybrid.draft`), whichever is expected to get more accepted
+                     (dspark.decode.hybrid)
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dspark.decode.engine import SpecDecoder, keep
 from dspark.decode.sampling import GREEDY, Sampling
 from dspark.serve.scheduler import AdaptiveScheduler, VerifyCost
 
-MODES = ("none", "ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive")
+MODES = ("none", "ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive", "hybrid")
 
 
 @dataclass

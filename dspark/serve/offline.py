@@ -20,6 +20,7 @@ OFFLINE_METHOD = {
     "dflash": "dflash",
     "dspark_fixed": "dspark",
     "dspark_adaptive": "dspark",
+    "hybrid": "hybrid",
 }
 
 

@@ -239,6 +239,32 @@ def test_a_batch_decodes_each_prompt_as_it_decodes_alone(tiny_target_dir, drafts
         assert alone[key]["tokens"] == together[key]["tokens"], key
 
 
+def test_the_hybrid_is_evaluated_like_every_method(tiny_target_dir, drafts, tmp_path):
+    """The hybrid through the stage: lossless on every path and live, live decodes taking its
+    replay's steps, the same steps at any batch (its measurements are per request), sampled,
+    and its mean tau set against both of its sources' own methods."""
+    methods = "evaluate.methods=[dspark, ngram, hybrid, none]"
+
+    def run(batch: int) -> tuple[dict, dict[str, dict]]:
+        (tmp_path / str(batch)).mkdir()
+        paths = eval_paths(tiny_target_dir, drafts, tmp_path / str(batch))
+        over = [methods, f"evaluate.batch_size={batch}", "evaluate.lm_eval.limit=0"]
+        result = evaluate(params(*over), paths)
+        record = next(paths.records.glob("*.jsonl"))
+        recs = [json.loads(line) for line in record.read_text().splitlines()]
+        return result, {r["key"]: r for r in recs if r["key"].endswith("|hybrid|replay")}
+
+    (result, alone), (_, together) = run(1), run(4)
+    assert result["lossless_mismatches"] == 0 and result["lossless"]["checked"] == 3 * 4
+    assert result["replay_check"]["same"] == result["replay_check"]["decodes"] == 3 * 4
+    assert all(result["categories"][c]["hybrid"]["tau"] >= 1.0 for c in result["prompts"])
+    assert {"hybrid/dspark", "hybrid/ngram"} <= set(result["pairs"])
+    assert "hybrid" in result["sampling"]["mean"]
+    assert len(alone) == 4 and alone.keys() == together.keys()
+    for key, rec in alone.items():
+        assert rec["trace"]["accepted"] == together[key]["trace"]["accepted"], key
+
+
 def test_the_markov_ablation_decodes_beside_dspark(
     tiny_target, tiny_target_dir, tmp_path, monkeypatch, capsys
 ):

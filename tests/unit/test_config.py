@@ -57,6 +57,11 @@ def test_defaults_live_in_the_schema_only():
             "profiles.smoke.prepare.num_samples",
         ),
         (("  workers: 2\n", "  workers: 2\n  bogus: 1\n"), "extract.bogus: unknown key"),
+        (("    draft: dspark  ", "    draft: medusa  "), "evaluate.hybrid.draft: Input should be"),
+        (
+            ("    draft: dspark  ", "    max_match: 0\n    draft: dspark  "),
+            "evaluate.hybrid.max_match: Input should be greater",
+        ),
     ],
 )
 def test_bad_values_name_the_dotted_key(tmp_path, edit, message):
@@ -103,13 +108,29 @@ def test_a_method_or_mode_needs_its_draft_trained():
                 "evaluate.lm_eval.methods=[none]",
             ],
         )
+    # The hybrid needs the draft its own section pairs it with, and says where that is set.
+    with pytest.raises(
+        ConfigError,
+        match=r"^--set: benchmark\.modes: hybrid needs the eagle3 draft \(serve\.hybrid\.draft\), "
+        r"which train\.drafts \(dspark, dflash\) does not train$",
+    ):
+        load_params(
+            ROOT / "params.yaml",
+            profile="full",
+            overrides=[
+                "train.drafts=[dspark, dflash]",
+                "evaluate.methods=[dspark, hybrid]",
+                "benchmark.modes=[none, hybrid]",
+                "serve.hybrid.draft=eagle3",
+            ],
+        )
     load_params(
         ROOT / "params.yaml",
         profile="full",
         overrides=[
             *full,
-            "evaluate.methods=[dspark, eagle3, ngram, none]",
-            "benchmark.modes=[none, eagle3, dspark_fixed]",
+            "evaluate.methods=[dspark, eagle3, ngram, hybrid, none]",
+            "benchmark.modes=[none, eagle3, dspark_fixed, hybrid]",
         ],
     )
 

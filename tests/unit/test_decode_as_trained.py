@@ -111,6 +111,22 @@ def trained_logits(kind, model, ids: list[int], aux: torch.Tensor, anchor: int):
         return logits[0]
 
 
+def check_as_trained(kind, model, draft_ids, llama, final, steps) -> int:
+    """Every active row's draft of `steps` (a `Recorded`'s) against the training forward at
+    its anchor of the final sequences, within TIE -> how many were checked."""
+    aux = [features(llama, f) for f in final]
+    checked = 0
+    for n, active, own in steps:
+        for row in torch.nonzero(active).flatten().tolist():
+            anchor, drafted = int(n[row]), own.tokens[row]
+            ids = final[row][: anchor + 1] + drafted.tolist()
+            logits = trained_logits(kind, model, ids, aux[row], anchor)  # [K, d]
+            picked = logits.gather(1, torch.searchsorted(draft_ids, drafted)[:, None])[:, 0]
+            assert torch.all(picked >= logits.max(-1).values - TIE), (row, anchor, drafted)
+            checked += 1
+    return checked
+
+
 CASES = [(kind, None) for kind in ("dspark", "dspark_holding", "dflash", "eagle3")] + [
     (kind, name) for name in LEVERS for kind in ("dspark", "dspark_holding", "dflash")
 ]
@@ -129,16 +145,7 @@ def test_every_step_drafts_what_training_drafts_at_its_anchor(
     accepted = [a for t in traces for a in t.accepted]
     assert 0 in accepted and inner.k in accepted and any(0 < a < inner.k for a in accepted)
 
-    aux = [features(llama, f) for f in final]
-    checked = 0
-    for n, active, own in spliced.steps:
-        for row in torch.nonzero(active).flatten().tolist():
-            anchor, drafted = int(n[row]), own.tokens[row]
-            ids = final[row][: anchor + 1] + drafted.tolist()
-            logits = trained_logits(kind, model, ids, aux[row], anchor)  # [K, d]
-            picked = logits.gather(1, torch.searchsorted(draft_ids, drafted)[:, None])[:, 0]
-            assert torch.all(picked >= logits.max(-1).values - TIE), (row, anchor, drafted)
-            checked += 1
+    checked = check_as_trained(kind, model, draft_ids, llama, final, spliced.steps)
     assert checked == sum(len(t.accepted) for t in traces)
 
 

@@ -119,6 +119,24 @@ def test_pairs_cover_every_draft_pair_and_each_draft_over_ngram():
     got = pairs({"dspark": one, "eagle3": one, "ngram": one, "none": one})
     assert set(got) == {"dspark/eagle3", "dspark/ngram", "eagle3/ngram"}
     assert got["dspark/eagle3"] == {"ratio": 1.0, "ci95": [1.0, 1.0]}
+    # The hybrid against both of its sources' own methods: its draft's and n-gram's.
+    with_hybrid = pairs({"dspark": one, "eagle3": one, "ngram": one, "hybrid": one}, "eagle3")
+    assert set(with_hybrid) - set(got) == {"hybrid/eagle3", "hybrid/ngram"}
+
+
+def test_the_hybrids_goal_needs_both_sources_beaten():
+    pairs = {
+        "hybrid/dspark": {"ratio": 1.6, "ci95": [1.4, 1.8]},
+        "hybrid/ngram": {"ratio": 1.3, "ci95": [1.2, 1.4]},
+    }
+    g = goals(pairs, EvalGoals(), "dspark")["hybrid_over_sources"]
+    assert g == {
+        "ratio": 1.3, "ci95": [1.2, 1.4], "goal": 1.25, "verdict": "straddles", "met": False
+    }  # fmt: skip
+    assert goals(pairs, EvalGoals(hybrid_over_sources=1.1), "dspark")["hybrid_over_sources"]["met"]
+    missed = goals(pairs, EvalGoals(hybrid_over_sources=1.5), "dspark")["hybrid_over_sources"]
+    assert missed["verdict"] == "missed"  # n-gram's interval falls short, whatever DSpark's does
+    assert "hybrid_over_sources" not in goals(pairs, EvalGoals(), "eagle3")
 
 
 def test_report_names_the_seed_and_what_was_not_evaluated():

@@ -2,7 +2,7 @@
 every kind round-trips through a checkpoint, names are owned once, bad input is one line."""
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import get_args
 
@@ -10,8 +10,16 @@ import pytest
 import torch
 from torch import nn
 
-from dspark.config import MARKOV_ABLATION, EvaluateConfig, LmEvalConfig, TrainConfig
+from dspark.config import (
+    MARKOV_ABLATION,
+    BenchmarkConfig,
+    EvaluateConfig,
+    HybridConfig,
+    LmEvalConfig,
+    TrainConfig,
+)
 from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
+from dspark.decode.hybrid import HybridProposer
 from dspark.decode.proposers import NgramProposer, NoProposer
 from dspark.drafts import (
     DRAFT_KINDS,
@@ -127,8 +135,23 @@ def test_every_method_builds(drafts):
     assert isinstance(built["eagle3"], Eagle3Proposer) and built["eagle3"].k == 3
     assert type(built["dflash"]) is DFlashProposer and built["dflash"].k == 5
     assert built["dflash"].model.markov_head is built["dflash"].model.confidence_head is None
+    hybrid = built["hybrid"]
+    assert isinstance(hybrid, HybridProposer) and isinstance(hybrid.draft, DSparkProposer)
+    assert (hybrid.k, hybrid.suffix.k, hybrid.suffix.max_match) == (4, 4, 64)  # the block's k
+    assert hybrid.taps == built["dspark"].taps
     with pytest.raises(ConfigError, match="method: unknown method 'medusa'"):
         build_proposer("medusa", ctx)
+
+
+def test_the_hybrid_pairs_with_the_draft_its_config_names(drafts):
+    folder, embed, _, _ = drafts
+    ctx = replace(context(folder, embed), hybrid=HybridConfig(draft="eagle3", k=6, max_match=9))
+    hybrid = build_proposer("hybrid", ctx)
+    assert isinstance(hybrid.draft, Eagle3Proposer)
+    assert (hybrid.k, hybrid.suffix.k, hybrid.suffix.max_match) == (6, 6, 9)
+    (folder / "eagle3" / "config.json").unlink()
+    with pytest.raises(DataError, match=f"{folder / 'eagle3'}: no trained eagle3 draft"):
+        build_proposer("hybrid", ctx)
 
 
 def test_a_proposer_follows_the_checkpoints_kind_not_the_folders_name(drafts):
@@ -192,7 +215,22 @@ def test_every_serve_mode_serves_a_registered_method(drafts):
         "dflash": "dflash",
         "dspark_fixed": "dspark",
         "dspark_adaptive": "dspark",
+        "hybrid": "hybrid",
     }
+    assert built["hybrid"].draft.name == params.serve.hybrid.draft
     ngram = built["ngram"]
     assert (ngram.min_n, ngram.max_n) == params.serve.ngram_window
     assert ngram.k == (params.serve.ngram_k or params.train.dspark.block_size)
+
+
+def test_every_mode_is_served_benchmarked_and_compared_offline():
+    """The schema's modes, the engine's, the benchmark's speculative ones and the offline
+    comparison's are one list: a mode added to one and not the others fails here."""
+    from dspark.serve.bench import SPECULATIVE
+    from dspark.serve.engine import MODES
+    from dspark.serve.offline import OFFLINE_METHOD
+
+    (choice,) = get_args(BenchmarkConfig.model_fields["modes"].annotation)
+    assert set(get_args(choice)) == {*MODES, "none_vllm"}  # vLLM's server is no engine mode
+    assert set(SPECULATIVE) == set(MODES) - {"none"} == set(OFFLINE_METHOD)
+    assert set(OFFLINE_METHOD.values()) <= set(METHODS.names())

@@ -10,7 +10,9 @@ import torch
 
 from dspark.decode.drafters import DSparkProposer, Eagle3Proposer
 from dspark.decode.engine import SpecDecoder
+from dspark.decode.hybrid import HybridProposer
 from dspark.decode.proposers import NgramProposer, NoProposer, Proposal, Proposer
+from dspark.decode.suffix import SuffixProposer
 from dspark.serve.engine import ServeEngine, profile_verify_cost
 from dspark.serve.scheduler import AdaptiveScheduler, VerifyCost
 from tests.unit.conftest import NEW
@@ -84,11 +86,12 @@ def proposer(which, varied, prompts, reference):
         "eagle3": lambda: Eagle3Proposer(*eagle),
         "dspark_fixed": lambda: DSparkProposer(*dspark),
         "dspark_adaptive": lambda: DSparkProposer(*dspark),
+        "hybrid": lambda: HybridProposer(DSparkProposer(*dspark), SuffixProposer(4)),
     }[which]()
 
 
 @pytest.mark.parametrize(
-    "which", ["none", "ngram", "random", "eagle3", "dspark_fixed", "dspark_adaptive"]
+    "which", ["none", "ngram", "random", "eagle3", "dspark_fixed", "dspark_adaptive", "hybrid"]
 )
 def test_requests_batched_as_they_come_decode_as_alone(which, llama, varied, prompts, reference):
     prop = proposer(which, varied, prompts, reference)
@@ -106,12 +109,14 @@ def test_requests_batched_as_they_come_decode_as_alone(which, llama, varied, pro
     assert all(c.finish in ("stop", "length") for c in out)
     assert engine.busy() == 0 and not engine.rows.active.any()
     assert engine.stats.requests == len(prompts)
-    if which in ("dspark_fixed", "dspark_adaptive", "eagle3"):
+    if which in ("dspark_fixed", "dspark_adaptive", "eagle3", "hybrid"):
         assert engine.stats.draft_s > 0
-    if which in ("ngram", "random", "eagle3", "dspark_fixed"):
+    if which in ("ngram", "random", "eagle3", "dspark_fixed", "hybrid"):
         assert engine.stats.draft_steps == engine.stats.steps
     if which == "none":
         assert engine.stats.draft_steps == 0
+    if which == "hybrid":  # every row of every step chose a source
+        assert sum(prop.won.values()) == engine.stats.row_steps
     if which == "random":  # drafts were verified, some accepted, some not
         assert engine.stats.tokens > engine.stats.row_steps + engine.stats.requests
 
