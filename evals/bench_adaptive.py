@@ -3,7 +3,7 @@
 and from one that did not, with what each server did per step.
 
     python -m evals.bench_adaptive [--profile default] [--concurrency 8] [--rounds 4] \
-        [--history 1,2,4] [--requests N] [--out metrics/bench_adaptive.json]
+        [--history 1,2,4] [--requests N] [--out metrics/studies/bench_adaptive.json]
 
 Three endpoints of the profile's target and drafts (its artifacts here), up at once as the
 benchmark runs them:
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="per measured cell, at least the concurrency (history cells: the profile's count)",
     )
-    ap.add_argument("--out", type=Path, default=ROOT / "metrics/bench_adaptive.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "metrics/studies/bench_adaptive.json")
     args = ap.parse_args(argv)
 
     params = load_params(ROOT / "params.yaml", args.profile)

@@ -1,13 +1,13 @@
 """CLI benchmark: the wall time of `dspark --help` in a fresh process, over repeated runs.
 
-    python -m evals.bench_cli [--runs 20] [--warmup 2] [--out metrics/cli.json]
+    python -m evals.bench_cli [--runs 20] [--warmup 2] [--out metrics/studies/cli.json]
 
 What a user waits for at the prompt: the interpreter, the `dspark` entry point, argparse. The
 suite checks what keeps it fast (no heavy import on the `--help` path, tests/integration/
 test_cli.py); this measures it, beside a bare interpreter start for scale, alternating the two
 so the machine's load hits both alike. Figures are min/median/max; read them on an idle
 machine. Also lists the slowest imports on the path (`-X importtime`). Prints a table and
-writes metrics/cli.json.
+writes metrics/studies/cli.json.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured runs (page cache, .pyc)")
-    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "cli.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "cli.json")
     args = ap.parse_args(argv)
 
     commands = {"dspark --help": help_command(), "python -c pass": [sys.executable, "-c", "pass"]}

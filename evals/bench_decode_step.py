@@ -9,7 +9,7 @@ the same step can differ by 20% or more. Each measurement is therefore a fresh p
 the figure per setting is spread over `--processes` of them, the settings alternating (off, on,
 off, on, ...). `THP_MEM_ALLOC_ENABLE=1` asks torch's CPU allocator to back allocations of 2 MB
 and more with huge pages (madvise), which this machine's kernel grants on request. Needs the
-provision stage's artifacts/target. Prints a table and writes metrics/decode_step.json.
+provision stage's artifacts/target. Prints a table and writes metrics/studies/decode_step.json.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "decode_step.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "decode_step.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:

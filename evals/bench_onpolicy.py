@@ -2,7 +2,7 @@
 the trainer, per wall-second, for each way of producing them, side by side on the same prompts.
 
     python -m evals.bench_onpolicy [--prompts 32] [--max-new 128] [--batches 16,32] \
-        [--out metrics/onpolicy.json]
+        [--out metrics/studies/onpolicy.json]
 
   transformers+capture  today's default path: transformers' batched generate (the prepare
                         stage's `transformers` engine), then one forward per sample capturing
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="16,32", help="rows decoded together, comma-separated")
     ap.add_argument("--shards", type=Path, default=ROOT / "artifacts" / "shards")
     ap.add_argument("--target", type=Path, default=ROOT / "artifacts" / "target")
-    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "onpolicy.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "onpolicy.json")
     args = ap.parse_args(argv)
     params = load_params(ROOT / "params.yaml")
     set_threads(params.provision.threads)

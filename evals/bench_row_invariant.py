@@ -6,7 +6,7 @@ row-invariant decoding (dspark/decode/llama.py), side by side on the same prompt
 Each round decodes every prompt both ways, in turn (plain first, then row-invariant, then the
 other order in the next round), as one producer does: `--rows` rows continuously batched, one
 thread. It reports prompt and response tokens with their states per wall-second, and whether
-the two ways gave the same tokens. Prints a table and writes metrics/bench/row_invariant.json.
+the two ways gave the same tokens. Prints a table and writes metrics/studies/row_invariant.json.
 Run it alone: the two cores are shared.
 """
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shards", type=Path, default=ROOT / "artifacts" / "shards")
     ap.add_argument("--target", type=Path, default=ROOT / "artifacts" / "target")
-    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "bench" / "row_invariant.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "row_invariant.json")
     args = ap.parse_args(argv)
     params = load_params(ROOT / "params.yaml")
     set_threads(1)  # as a producer runs

@@ -5,7 +5,7 @@
 Needs the prepare stage's outputs (artifacts/target, artifacts/shards). Payloads are real
 captured samples. Transports are measured side by side, alternating A B C A B C, each between
 two processes on loopback; figures carry their spread over the repeats. Prints a table and
-writes metrics/stream.json.
+writes metrics/studies/stream.json.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "stream.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "stream.json")
     args = ap.parse_args(argv)
     for k, v in MOONCAKE_ENV.items():
         os.environ.setdefault(k, v)

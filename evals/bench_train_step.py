@@ -17,7 +17,7 @@ the whole collate. The first batch warms up and is not counted.
 It also says what the top-k costs in fidelity, over every supervised position of the timed
 batches: the target's mass beyond the k, the total-variation distance between the two targets
 over the draft vocabulary, and how often their argmax (the CE label) differs. Prints a table and
-writes metrics/train_step.json.
+writes metrics/studies/train_step.json.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=None, help="top-k (default: extract.target_topk)")
     ap.add_argument("--hidden", type=Path, default=ROOT / "artifacts" / "hidden")
     ap.add_argument("--target", type=Path, default=ROOT / "artifacts" / "target")
-    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "train_step.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "train_step.json")
     args = ap.parse_args(argv)
     params = load_params(ROOT / "params.yaml", args.profile)
     k = args.k or params.extract.target_topk

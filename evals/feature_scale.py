@@ -5,7 +5,7 @@
 
 Reads the extract stage's hidden-state shards (the first `--samples` samples, every token) and
 prints, per aux layer, the median and largest channel RMS and the share of the layer's energy
-(sum of squares) held by its five largest channels. Writes metrics/feature_scale.json.
+(sum of squares) held by its five largest channels. Writes metrics/studies/feature_scale.json.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=Path, default=ROOT / "artifacts" / "hidden")
     ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "feature_scale.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "feature_scale.json")
     args = ap.parse_args(argv)
     layers = list(read_hidden_manifest(args.hidden)["aux_layers"])
     square_sums, count, n = None, 0, 0

@@ -22,7 +22,7 @@ builds them, refused if the checkpoint is another configuration's).
   them, and tau is emitted tokens per verify step, as the evaluation counts it.
 
 A decode stops k + 2 tokens before its answer ends: a verify pass looks k positions ahead, and
-the shard holds nothing past the answer. Writes metrics/heldout_decode.json.
+the shard holds nothing past the answer. Writes metrics/studies/heldout_decode.json.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> None:
                 f"{f['decode_slot0']} |",
                 flush=True,
             )
-    out = args.out or root / "metrics" / "heldout_decode.json"
+    out = args.out or root / "metrics" / "studies" / "heldout_decode.json"
     write_metrics(out, params.profile, {"samples": len(samples), "from": where, "drafts": doc})
     print(f"wrote {out}")
 

@@ -15,7 +15,7 @@ the anchors too (`head_p1`); the table prints the head that looks at p-1 most, w
 logit at p-1 and at the strongest other context position. Next to the layer's logit scale
 (what q_norm's and k_norm's gains allow; train.dspark.qk_norm_init), those say whether a head
 is held back by how sharp it may be or by where it points.
-Writes metrics/slot_attention.json.
+Writes metrics/studies/slot_attention.json.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> None:
                 print(
                     f"| {slot} | {cells} | {by_head[top]:.3f} (head {top}) | {z1:.2f}, {z2:.2f} |"
                 )
-    out = args.out or root / "metrics" / "slot_attention.json"
+    out = args.out or root / "metrics" / "studies" / "slot_attention.json"
     write_metrics(out, params.profile, {"samples": len(samples), "buckets": BUCKETS, **doc})
     print(f"wrote {out}")
 

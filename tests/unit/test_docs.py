@@ -118,22 +118,77 @@ def test_the_checks_catch_what_they_should():
     assert {"run", "test"} <= make_targets()
 
 
-def test_every_metrics_file_is_a_stages_or_named_by_a_page():
-    """metrics/ holds what the stages write, the full profile's run, the sweeps' tables and the
-    GPU checks; any other file there (a study's output) is named by the page that tells its
-    story, or it has no business being kept."""
+# metrics/'s layout: at the top, what the stages write (each stage's file, the run summary, the
+# two reports) and these folders. One-off studies and the evals/ scripts write into studies/.
+METRICS_FOLDERS = {
+    "full": "the full profile's committed run, as it wrote metrics/",
+    "sweeps": "the sweeps' tables (flows/sweep.py)",
+    "gpu": "the GPU checks (infra/gpu/)",
+    "studies": "one-off studies and the evals/ scripts' outputs, each named by its page",
+    "headline": "the working profile's headline table (dspark.headline)",
+}
+STUDIES = "metrics/studies/"
+# A metrics path as a script spells it: `metrics/x.json`, or ROOT / "metrics" / "x.json".
+METRICS_PATH = re.compile(r"metrics/[\w./-]+\.(?:json|csv|md)")
+
+
+def stage_outputs() -> set[str]:
     from dspark import stages
 
     written = {s.metrics for s in stages.STAGES}
-    written |= {stages.RUN_SUMMARY, stages.EVAL_REPORT, stages.BENCH_REPORT}
+    return written | {stages.RUN_SUMMARY, stages.EVAL_REPORT, stages.BENCH_REPORT}
+
+
+def metrics_layout_problems(root: Path, pages: str, written: set[str]) -> list[str]:
+    """What breaks the layout: a top-level file no stage writes, an unknown folder, a study
+    output no page names by its path, a script under evals/ whose output lands outside it."""
+    problems = []
+    for entry in sorted((root / "metrics").iterdir()):
+        rel = entry.relative_to(root).as_posix()
+        if entry.is_dir() and entry.name not in METRICS_FOLDERS:
+            problems.append(f"{rel}/: not a folder of metrics/'s layout")
+        elif entry.is_file() and rel not in written:
+            problems.append(f"{rel}: no stage writes it (a study's output goes in {STUDIES})")
+    for f in sorted((root / STUDIES).rglob("*")):
+        if f.is_file() and (rel := f.relative_to(root).as_posix()) not in pages:
+            problems.append(f"{rel}: named by no page in README.md, CHANGELOG.md or docs/")
+    kept = tuple(f"metrics/{name}/" for name in METRICS_FOLDERS if name != "headline")
+    for script in sorted((root / "evals").glob("*.py")):
+        text = re.sub(r'"\s*/\s*"', "/", script.read_text())  # "metrics" / "x" -> "metrics/x"
+        for path in METRICS_PATH.findall(text):
+            if path not in written and not path.startswith(kept):
+                problems.append(f"{script.relative_to(root)}: writes {path} (not in {STUDIES})")
+    return problems
+
+
+def test_metrics_holds_the_stages_files_and_named_studies():
+    """metrics/ top level holds what the stages write, and the folders of METRICS_FOLDERS; a
+    study's output sits in metrics/studies/, named by the page that tells its story."""
     pages = "\n".join(p.read_text() for p in doc_files())
-    kept = ("metrics/full/", "metrics/sweeps/", "metrics/gpu/")
-    orphans = [
-        rel
-        for f in sorted((ROOT / "metrics").rglob("*"))
-        if f.is_file()
-        and (rel := f.relative_to(ROOT).as_posix()) not in written
-        and not rel.startswith(kept)
-        and f.name not in pages
+    assert metrics_layout_problems(ROOT, pages, stage_outputs()) == []
+
+
+def test_the_layout_check_catches_a_stray_file(tmp_path):
+    """A study's file at the top, an unnamed one in studies/, an unknown folder and a script
+    writing beside the stages' files are each caught; what the layout allows is not."""
+    for rel in ("metrics/eval.json", "metrics/full/x.json", "metrics/studies/told.json"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("{}")
+    (tmp_path / "evals").mkdir()
+    (tmp_path / "evals/good.py").write_text('OUT = ROOT / "metrics" / "studies" / "a.json"\n')
+    written, pages = {"metrics/eval.json"}, "see `metrics/studies/told.json`"
+    assert metrics_layout_problems(tmp_path, pages, written) == []
+
+    (tmp_path / "metrics/study.json").write_text("{}")
+    (tmp_path / "metrics/bench").mkdir()
+    (tmp_path / "metrics/studies/untold.json").write_text("{}")
+    bad = '"""Writes metrics/x.json."""\nOUT = ROOT / "metrics" / "y.json"\n'
+    (tmp_path / "evals/bad.py").write_text(bad)
+    found = metrics_layout_problems(tmp_path, pages, written)
+    assert [p.split(":")[0] for p in found] == [
+        "metrics/bench/",
+        "metrics/study.json",
+        "metrics/studies/untold.json",
+        "evals/bad.py",
+        "evals/bad.py",
     ]
-    assert orphans == [], "named by no page in README.md, CHANGELOG.md or docs/"
