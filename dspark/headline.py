@@ -1,7 +1,8 @@
 """A pipeline run's headline figures, read from the stages' metrics files.
 
 What a pipeline's parent run shows in the MLflow runs table, so that two runs compare without
-opening their children. Pure: files in, two dicts out (the tracking code logs them).
+opening their children. Files in, two dicts out (the tracking code logs them); only
+`write_table`, below, writes.
 
     metrics                       from        what
     tau_mean.<method>             eval.json   mean over categories of tokens per verify step
@@ -17,6 +18,23 @@ opening their children. Pure: files in, two dicts out (the tracking code logs th
 
 A file that is missing, unreadable or written for another profile contributes nothing: a stage
 skipped as cached still has its file from the run that computed it, and contributes.
+
+The headline table (`table`, `write_table`) is the same figures for a terminal: a folder
+`headline/` beside the metrics files it is read from (metrics/headline/ for the working profile,
+metrics/full/headline/ for the committed full run), one small file per row, keyed by method, so
+that `dvc metrics show -R metrics/headline metrics/full/headline` prints a row per figure and a
+column per method within 100 columns. Its files carry no profile or commit stamp (a 40-character
+commit would be a column of its own); the run.json beside them says which run they are.
+
+    row            column    from          what
+    tau            method    eval.json     mean tau of the nine categories
+    dspark_over    method    eval.json     DSpark's mean tau over the method's, on the same prompts
+    speedup        method    bench.json    single-stream tok/s over `none`'s (HTTP, c=1); a
+                                           method served in several modes shows its best
+    tau_decode     draft     train.json    held-out tau as greedy decoding walks it
+    train_tok_s    draft     train.json    the trainer's tokens/s
+    data_tok_s     target    extract.json  tokens/s the data plane delivered (the target answering
+                                           and capturing)
 """
 
 from __future__ import annotations
@@ -24,7 +42,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-FILES = {"train": "train.json", "eval": "eval.json", "bench": "bench.json", "run": "run.json"}
+from dspark.io import write_json
+
+FILES = {
+    "train": "train.json",
+    "eval": "eval.json",
+    "bench": "bench.json",
+    "run": "run.json",
+    "extract": "extract.json",
+}
 BASELINE_MODE = "none"  # the plain target: tau and speedup 1 by definition, so not headlines
 HELD_OUT = (  # train.json's per-draft held-out figures, each a summary line where present
     ("tau_sim", "held-out tau_sim after training"),
@@ -33,9 +59,14 @@ HELD_OUT = (  # train.json's per-draft held-out figures, each a summary line whe
 )
 
 
+HEADLINE_DIR = "headline"  # the table's folder, beside the metrics files it is read from
+TABLE_ROWS = ("tau", "dspark_over", "speedup", "tau_decode", "train_tok_s", "data_tok_s")
+DATA_COLUMN = "target"  # data_tok_s's one column: the target answers and captures the data
+
+
 def read_docs(folder: Path, profile: str | None = None) -> dict[str, dict]:
-    """{"train"|"eval"|"bench"|"run": the parsed file} for those present in `folder` (written for
-    `profile`, when given)."""
+    """{"train"|"eval"|"bench"|"run"|"extract": the parsed file} for those present in `folder`
+    (written for `profile`, when given)."""
     docs = {}
     for key, name in FILES.items():
         try:
@@ -148,3 +179,48 @@ def summary(docs: dict[str, dict], mlflow: str, profile: str, folder: str = "met
         f"    every figure: {folder}/*.json; reproduce: dvc repro",
     ]
     return "\n".join(lines)
+
+
+def table(docs: dict[str, dict]) -> dict[str, dict[str, float | int]]:
+    """The headline table from `read_docs`' result: {row: {column: figure}}, rows in TABLE_ROWS'
+    order and only those with a figure. Ratios and taus keep three decimals, rates none."""
+    ev, bench, train, extract = (docs.get(k) or {} for k in ("eval", "bench", "train", "extract"))
+    rows: dict[str, dict[str, float | int]] = {row: {} for row in TABLE_ROWS}
+    for method, tau in (ev.get("mean") or {}).items():
+        if method != BASELINE_MODE and _number(tau):
+            rows["tau"][method] = round(tau, 3)
+    for pair, p in (ev.get("pairs") or {}).items():
+        over, _, method = pair.partition("/")
+        if over == "dspark" and isinstance(p, dict) and _number(p.get("ratio")):
+            rows["dspark_over"][method] = round(p["ratio"], 3)
+    for mode, row in (bench.get("overall") or {}).items():
+        method = mode.split("_", 1)[0]  # dspark_fixed, dspark_adaptive: DSpark's modes
+        speedup = row.get("speedup_c1") if isinstance(row, dict) else None
+        if method != BASELINE_MODE and _number(speedup):
+            rows["speedup"][method] = round(max(speedup, rows["speedup"].get(method, speedup)), 3)
+    for draft, block in train.items():
+        if isinstance(block, dict) and _number(block.get("tau_decode")):
+            rows["tau_decode"][draft] = round(block["tau_decode"], 3)
+        if isinstance(block, dict) and _number(block.get("tokens_per_s")):
+            rows["train_tok_s"][draft] = round(block["tokens_per_s"])
+    if _number(extract.get("tok_s")):
+        rows["data_tok_s"][DATA_COLUMN] = round(extract["tok_s"])
+    return {row: figures for row, figures in rows.items() if figures}
+
+
+def write_table(folder: Path, docs: dict[str, dict]) -> dict[str, dict[str, float | int]]:
+    """Write `table(docs)` into folder/headline/, a file per row; a row with no figure this time
+    loses its file, so the folder never shows another run's figure."""
+    rows = table(docs)
+    out = Path(folder) / HEADLINE_DIR
+    for row in TABLE_ROWS:
+        path = out / f"{row}.json"
+        if row in rows:
+            write_json(path, rows[row])
+        else:
+            path.unlink(missing_ok=True)
+    return rows
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 from dspark.codedeps import closure, imports_of_function
 from dspark.config import MARKOV_ABLATION, Params, read_yaml
 from dspark.errors import ConfigError
+from dspark.headline import read_docs, write_table
 from dspark.io import write_json
 from dspark.metrics import cpu_seconds, stamp, write_metrics
 
@@ -444,7 +445,8 @@ def provenance(params: Params, root: Path) -> dict:
 
 
 def write_run_summary(root: Path, profile: str, cached: dict[str, bool] | None = None) -> dict:
-    """metrics/run.json: each stage's wall time for the profile that ran."""
+    """metrics/run.json: each stage's wall time for the profile that ran; then the headline
+    table beside it (metrics/headline/, dspark.headline) from that profile's files."""
     stages = {}
     for stage in STAGES:
         path = root / stage.metrics
@@ -465,7 +467,10 @@ def write_run_summary(root: Path, profile: str, cached: dict[str, bool] | None =
     summary = {"stages": stages, "total_wall_s": total}
     # Only when every stage recorded its CPU time: a partial sum would read as the run's.
     summary["total_cpu_s"] = round(sum(cpu), 2) if cpu and len(cpu) == len(stages) else None
-    return write_metrics(root / RUN_SUMMARY, profile, summary)
+    doc = write_metrics(root / RUN_SUMMARY, profile, summary)
+    folder = (root / RUN_SUMMARY).parent
+    write_table(folder, read_docs(folder, profile))
+    return doc
 
 
 def dvc_yaml() -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -27,6 +28,18 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     """One JSON object a line: prompt files, as the CLI and the stages read them."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def dvc_metrics_show(files: dict[str, dict]) -> list[str]:
+    """The lines `dvc metrics show` prints for these metrics files ({path: parsed file}),
+    rendered by DVC's own table code as its CLI calls it (5 digits, rounded)."""
+    from dvc.compare import show_metrics
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        data = {path: {"data": doc} for path, doc in files.items()}
+        show_metrics({"workspace": {"data": data}}, precision=5, round_digits=True)
+    return out.getvalue().splitlines()
 
 
 def under_ci() -> bool:

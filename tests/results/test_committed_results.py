@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dspark.config import load_params
-from dspark.headline import headline, read_docs, summary
+from dspark.headline import HEADLINE_DIR, headline, read_docs, summary, table
+from tests.conftest import dvc_metrics_show
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("folder", ["metrics", "metrics/full"])
 def test_headline_of_the_committed_metrics(folder):
     docs = read_docs(ROOT / folder)
-    assert set(docs) == {"train", "eval", "bench", "run"}
+    assert set(docs) == {"train", "eval", "bench", "run", "extract"}
     metrics, tags = headline(docs)
     ev, bench, train, run = (docs[k] for k in ("eval", "bench", "train", "run"))
     methods = {k: v for k, v in ev["mean"].items() if k != "none"}
@@ -35,6 +36,29 @@ def test_headline_of_the_committed_metrics(folder):
     assert "tau_mean.dspark" in metrics and "speedup_c1.dspark_adaptive" in metrics
     assert all(isinstance(v, float) for v in metrics.values())
     assert tags["profile"] == run["profile"] and tags["git_commit"] == run["git_commit"]
+
+
+@pytest.mark.parametrize("folder", ["metrics", "metrics/full"])
+def test_the_committed_headline_table_is_its_folders(folder):
+    """metrics/headline/ and metrics/full/headline/ hold the table of the files beside them, as
+    the run summary writes it (after copying a full run into metrics/full/, copy its headline/
+    too, or write it: `dspark.headline.write_table(folder, read_docs(folder))`)."""
+    docs = read_docs(ROOT / folder, json.loads((ROOT / folder / "run.json").read_text())["profile"])
+    committed = {
+        p.stem: json.loads(p.read_text()) for p in sorted((ROOT / folder / HEADLINE_DIR).iterdir())
+    }
+    assert committed == table(docs)
+
+
+def test_the_committed_headline_tables_fit_a_terminal():
+    """`dvc metrics show -R metrics/headline metrics/full/headline`, the README's command."""
+    files = {
+        p.relative_to(ROOT).as_posix(): json.loads(p.read_text())
+        for folder in ("metrics", "metrics/full")
+        for p in sorted((ROOT / folder / HEADLINE_DIR).glob("*.json"))
+    }
+    lines = dvc_metrics_show(files)
+    assert len(lines) == 1 + len(files) and max(map(len, lines)) <= 100, "\n".join(lines)
 
 
 def test_the_two_committed_profiles_differ_where_a_table_should_show_it():

@@ -82,3 +82,15 @@ def test_the_run_summary_totals_cpu_only_when_every_stage_has_it(tmp_path):
     (tmp_path / stages.get("export").metrics).write_text('{"profile": "full", "wall_s": 1.0}')
     run = stages.write_run_summary(tmp_path, "full")  # a file from before cpu_s was recorded
     assert run["total_cpu_s"] is None and run["total_wall_s"] == 201.0
+
+
+def test_the_run_summary_writes_the_headline_table_beside_it(tmp_path):
+    (tmp_path / "metrics").mkdir()
+    ev = {"profile": "full", "wall_s": 1.0, "mean": {"dspark": 1.5, "none": 1.0}}
+    (tmp_path / stages.get("evaluate").metrics).write_text(json.dumps(ev))
+    other = {"profile": "default", "wall_s": 1.0, "tok_s": 300.0}  # another profile's run
+    (tmp_path / stages.get("extract").metrics).write_text(json.dumps(other))
+    stages.write_run_summary(tmp_path, "full")
+    folder = tmp_path / "metrics" / "headline"
+    assert [p.name for p in folder.iterdir()] == ["tau.json"]
+    assert json.loads((folder / "tau.json").read_text()) == {"dspark": 1.5}

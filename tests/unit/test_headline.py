@@ -1,0 +1,80 @@
+"""dspark.headline's table: a row per figure, a column per method, narrow enough that
+`dvc metrics show -R metrics/headline metrics/full/headline` fits a 100-column terminal."""
+
+import json
+from typing import get_args
+
+from dspark.config import Method
+from dspark.headline import DATA_COLUMN, HEADLINE_DIR, TABLE_ROWS, table, write_table
+from tests.conftest import dvc_metrics_show
+
+TERMINAL = 100
+DOCS = {
+    "eval": {
+        "mean": {"dspark": 1.35871, "eagle3": 1.9198, "ngram": 1.7421, "none": 1.0},
+        "pairs": {
+            "dspark/eagle3": {"ratio": 0.70771, "ci95": [0.685, 0.7293]},
+            "dspark/ngram": {"ratio": 0.7799, "ci95": [0.73, 0.81]},
+            "eagle3/ngram": {"ratio": 1.102, "ci95": [1.06, 1.13]},
+        },
+    },
+    "bench": {
+        "overall": {
+            "none": {"speedup_c1": 1.0},
+            "none_vllm": {"speedup_c1": 1.4},
+            "ngram": {"speedup_c1": 0.975},
+            "dspark_fixed": {"speedup_c1": 0.831},
+            "dspark_adaptive": {"speedup_c1": 0.9752},
+            "eagle3": {"speedup_c2": 0.9},  # no single-stream figure: no cell
+        }
+    },
+    "train": {
+        "dspark": {"tau_decode": 1.6472, "tokens_per_s": 2076.4},
+        "eagle3": {"tau_decode": 3.0857, "tokens_per_s": 1462.7},
+        "goal": {"met": False},
+    },
+    "extract": {"tok_s": 323.6},
+}
+
+
+def test_a_row_per_figure_and_a_column_per_method():
+    assert table(DOCS) == {
+        "tau": {"dspark": 1.359, "eagle3": 1.92, "ngram": 1.742},
+        "dspark_over": {"eagle3": 0.708, "ngram": 0.78},
+        "speedup": {"ngram": 0.975, "dspark": 0.975},  # DSpark's best mode; `none`'s are 1
+        "tau_decode": {"dspark": 1.647, "eagle3": 3.086},
+        "train_tok_s": {"dspark": 2076, "eagle3": 1463},
+        "data_tok_s": {DATA_COLUMN: 324},
+    }
+    assert table({}) == {}
+
+
+def test_the_table_is_written_a_file_a_row_and_a_missing_row_loses_its_file(tmp_path):
+    assert write_table(tmp_path, DOCS) == table(DOCS)
+    folder = tmp_path / HEADLINE_DIR
+    assert sorted(p.stem for p in folder.iterdir()) == sorted(TABLE_ROWS)
+    assert json.loads((folder / "tau.json").read_text()) == table(DOCS)["tau"]
+    (folder / "notes.txt").write_text("not a row")
+    without_extract = {k: v for k, v in DOCS.items() if k != "extract"}
+    write_table(tmp_path, without_extract)  # a run whose extract file is another profile's
+    assert not (folder / "data_tok_s.json").exists()
+    assert (folder / "notes.txt").exists() and (folder / "tau.json").exists()
+
+
+def widest(prefix: str, columns: list[str]) -> dict[str, dict]:
+    """Every row with every column at its widest plausible figure (a GPU's 5-digit tok/s)."""
+    folder = f"{prefix}/{HEADLINE_DIR}"
+    return {f"{folder}/{row}.json": dict.fromkeys(columns, 12345) for row in TABLE_ROWS}
+
+
+def test_the_widest_table_fits_a_terminal():
+    """Every method the config knows, beside the committed full run's folder (the longer
+    path), as `dvc metrics show` prints them."""
+    columns = [m for m in get_args(Method) if m != "none"] + [DATA_COLUMN]
+    files = {**widest("metrics", columns), **widest("metrics/full", columns)}
+    lines = dvc_metrics_show(files)
+    assert len(lines) == 1 + 2 * len(TABLE_ROWS)
+    assert max(map(len, lines)) <= TERMINAL, "\n".join(lines)
+    # The check can fail: a stamp on every row (as other metrics files carry) does not fit.
+    stamped = {p: {**d, "git_commit": "0" * 40} for p, d in files.items()}
+    assert max(map(len, dvc_metrics_show(stamped))) > TERMINAL
