@@ -480,6 +480,9 @@ class Evaluation:
         result["lossless"] = self.lossless
         result["prompts"] = {c: len(ps) for c, ps in selected.items()}
         result["prompt_ids"] = {c: [p.id for p in ps] for c, ps in selected.items()}
+        # The length each category decoded to: the benchmark sets a cell beside the same prompts
+        # only when it served them to the same length (dspark.serve.offline).
+        result["max_new_tokens"] = {c: self.cfg.max_new_tokens[c] for c in selected}
         result["live_prompt_ids"] = [p.id for p in live]
         result["batch_size"] = cfg.batch_size
         result["resumed_decodes"] = self.records.replayed

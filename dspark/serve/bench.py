@@ -111,7 +111,11 @@ def benchmark(
     if paths.offline is not None and paths.offline.is_file():
         offline = json.loads(paths.offline.read_text())
         result["served_vs_offline"] = served_vs_offline(
-            cells, offline, params.benchmark.workload, params.benchmark.mixed_concurrency
+            cells,
+            offline,
+            params.benchmark.workload,
+            params.benchmark.mixed_concurrency,
+            params.benchmark.max_tokens,
         )
     report.write_plots(result, paths.plots)
     report.write_report(result, paths.report)

@@ -188,6 +188,7 @@ def summarize(cell: dict) -> dict:
         "itl_p99_ms": rnd(_pct(itl, 99)),
         "tau": rnd(after_first / steps if steps else None, 3),
         "distinct_2": rnd(statistics.mean(distinct) if distinct else None, 4),
+        "prompt_ids": [r["id"] for r in ok if "id" in r],  # served, in order, repeats kept
     }
 
 

@@ -141,24 +141,27 @@ def write_report(result: dict, path: Path) -> None:
 
 
 def served_lines(rows: list[dict]) -> list[str]:
-    """Served tau beside the evaluation's (offline) tau of the same method and category."""
+    """Served tau beside the evaluation's (offline) tau of the same method: on the very prompts
+    the cell served where the evaluation has them, and the category's for context."""
     if not rows:
         return []
     out = [
         "",
         "## Served beside offline acceptance",
         "",
-        "| mode | category | concurrency | served tau | offline tau [95%] | |",
-        "|---|---|---|---|---|---|",
+        "| mode | category | concurrency | served tau | offline, same prompts "
+        "| offline, category [95%] | |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ci = r["offline_ci95"]
         interval = f" [{ci[0]}, {ci[1]}]" if ci else ""
-        note = "outside the interval" if r["gap"] else ""
+        same = r.get("offline_same_prompts")
+        note = "differs on the same prompts" if r["gap"] else ""
         if r.get("expected"):
             note += f" (expected: {r['expected']})"
         out.append(
             f"| {r['mode']} | {r['category']} | {r['concurrency']} | {r['served_tau']} "
-            f"| {r['offline_tau']}{interval} | {note} |"
+            f"| {'-' if same is None else same} | {r['offline_tau']}{interval} | {note} |"
         )
     return out

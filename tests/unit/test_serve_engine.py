@@ -279,3 +279,37 @@ def test_held_context_drafts_as_the_eager_one(llama, varied, prompts):
             drafted += 1
             torch.testing.assert_close(conf_a, conf_b, rtol=0, atol=1e-5)
     assert drafted == 4
+
+
+@pytest.mark.parametrize("which", ["ngram", "eagle3", "hybrid"])
+def test_one_stream_served_is_the_offline_decode_step_for_step(
+    which, llama, varied, prompts, reference
+):
+    """At one stream a served request takes the steps, drafts and acceptances the offline
+    decoder takes on the same prompt: what lets the benchmark call any served-vs-offline
+    difference on the same prompts a defect (dspark.serve.offline)."""
+    engine = ServeEngine(
+        SpecDecoder(llama, proposer(which, varied, prompts, reference), varied.eos_token_id, 2048),
+        max_batch=1,
+        max_len=96,
+    )
+    engine.start()
+    try:
+        served = []
+        for prompt in prompts[:2]:  # one at a time: a stream of one
+            c = Collector()
+            served.append((engine.submit(prompt, NEW, c), c))
+            assert c.done.wait(60), "a request never finished"
+    finally:
+        engine.stop()
+    offline = SpecDecoder(
+        llama, proposer(which, varied, prompts, reference), varied.eos_token_id, 2048
+    )
+    for (req, c), prompt in zip(served, prompts[:2], strict=True):
+        (trace,), _ = offline.generate([prompt], NEW)
+        assert c.tokens == trace.tokens
+        assert (req.steps, req.proposed, req.accepted) == (
+            len(trace.accepted),
+            sum(trace.proposed),
+            sum(trace.accepted),
+        )

@@ -1,12 +1,18 @@
 """Served tau beside offline tau: matched by method and category, the mixed cell pooled over
-the nine, and a served tau outside the offline interval flagged."""
+the nine; a gap is judged only on the very prompts the cell served, to the same length."""
 
 from dspark.serve.offline import served_vs_offline
 from dspark.serve.report import served_lines
 
 
-def cell(mode, c, workload, tau):
-    return {"mode": mode, "concurrency": c, "workload": workload, "tau": tau}
+def cell(mode, c, workload, tau, served=()):
+    return {
+        "mode": mode,
+        "concurrency": c,
+        "workload": workload,
+        "tau": tau,
+        "prompt_ids": list(served),
+    }
 
 
 EVAL = {
@@ -40,12 +46,40 @@ def test_served_is_set_beside_the_same_method_and_category():
     }
     fixed = by["dspark_fixed", "math_reasoning"]
     assert (fixed["offline_tau"], fixed["offline_ci95"], fixed["gap"]) == (2.5, [2.0, 3.0], False)
-    assert by["ngram", "math_reasoning"]["gap"] is True  # 1.2 served, 2.0 offline, no spread
-    assert by["dspark_adaptive", "math_reasoning"]["expected"] == "adaptive verification"
+    # No prompt ids or lengths to match: the category's figure is context, never a gap.
+    assert by["ngram", "math_reasoning"]["gap"] is False
+    assert by["ngram", "math_reasoning"]["like_for_like"] is False
     mix = by["dspark_fixed", "mix"]
     assert mix["offline_tau"] == round(11 / 4, 4)  # the nine pooled: (2 + 3 + 6) / (1 + 1 + 2)
-    lines = "\n".join(served_lines(rows))
-    assert "| ngram | math_reasoning | 1 | 1.2 | 2.0 [2.0, 2.0] | outside the interval |" in lines
+
+
+def test_a_gap_is_judged_on_the_prompts_the_cell_served():
+    """Prompt b alone has tau 3: a cell that served b twice at 2.98 matches it (within the
+    tolerance), though it sits above the category's pooled 2.5; one at 2.5 on b differs. A cell
+    served to another length than the evaluation decoded is context only."""
+    doc = {
+        **EVAL,
+        "prompt_ids": {"math_reasoning": ["a", "b"], "writing": ["w"]},
+        "max_new_tokens": {"math_reasoning": 64, "writing": 64},
+    }
+    cells = [
+        cell("dspark_fixed", 1, "math_reasoning", 2.98, ["b", "b"]),
+        cell("ngram", 1, "math_reasoning", 1.5, ["a", "b"]),
+        cell("dspark_adaptive", 1, "math_reasoning", 2.5, ["b"]),
+    ]
+    by = {r["mode"]: r for r in served_vs_offline(cells, doc, "math_reasoning", None, 64)}
+    assert by["dspark_fixed"]["offline_same_prompts"] == 3.0
+    assert by["dspark_fixed"]["like_for_like"] and not by["dspark_fixed"]["gap"]
+    assert by["ngram"]["offline_same_prompts"] == 2.0 and by["ngram"]["gap"]  # 1.5 vs 2.0
+    assert by["dspark_adaptive"]["gap"] and by["dspark_adaptive"]["expected"]
+    lines = "\n".join(served_lines(list(by.values())))
+    assert "| ngram | math_reasoning | 1 | 1.5 | 2.0 | 2.0 [2.0, 2.0] | differs" in lines
+    other = served_vs_offline(cells, doc, "math_reasoning", None, 128)
+    assert not any(r["like_for_like"] or r["gap"] for r in other)
+    unseen = served_vs_offline(
+        [cell("ngram", 1, "math_reasoning", 1.5, ["z"])], doc, "math_reasoning", None, 64
+    )
+    assert unseen[0]["offline_same_prompts"] is None
 
 
 def test_no_evaluation_no_rows():
