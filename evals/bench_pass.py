@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=None, help="default: every core")
+    ap.add_argument(
+        "--bandwidth-gib", type=float, default=1.0, help="buffer the read bandwidth is timed on"
+    )
     ap.add_argument("--target", type=Path, default=ROOT / "artifacts" / "target")
     ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "target_pass.json")
     args = ap.parse_args(argv)
@@ -141,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     threads = set_threads(args.threads)
     model = Llama.from_hf(load_target_for(params.target, args.target).model)
     gen = torch.Generator().manual_seed(0)
-    bandwidth, rate = read_bandwidth(), gemm_rate()
+    bandwidth, rate = read_bandwidth(args.bandwidth_gib), gemm_rate()
     rows, profiles = [], {}
     for k in args.tokens:
         p = Pass(model, args.context, k, gen)

@@ -1,0 +1,45 @@
+"""evals/bench_pass.py on the tiny target: every k gets the engine's pass, its multiplies and a
+floor, the table's ratios are what its columns say, and the 1- and 2-token passes carry an
+operator profile that accounts for the whole pass."""
+
+import json
+
+import pytest
+
+from evals import bench_pass
+
+
+def test_the_pass_is_set_against_its_multiplies_and_its_floor(tiny_target_dir, tmp_path):
+    out = tmp_path / "pass.json"
+    bench_pass.main(
+        ["--tokens", "1", "2", "5", "--context", "24", "--repeats", "3", "--threads", "1",
+         "--bandwidth-gib", "0.02", "--target", str(tiny_target_dir), "--out", str(out)]
+    )  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert [r["tokens"] for r in doc["passes"]] == [1, 2, 5]
+    for r in doc["passes"]:
+        assert r["engine_ms"] > 0 and r["multiplies_ms"] > 0 and r["floor_ms"] > 0
+        ratio = r["engine_ms"] / r["multiplies_ms"]  # of the rounded ms: close, not equal
+        assert r["engine_over_multiplies"] == pytest.approx(ratio, rel=0.02)
+    assert doc["passes"][0]["engine_over_one"] == 1.0
+    assert doc["threads"] == 1 and "model" in doc["cpu"] and doc["read_bytes_per_s"] > 0
+    for k in ("1", "2"):
+        ops = doc["profile_ms"][k]
+        assert ops[-1]["op"] == "(the rest)" and any("mm" in o["op"] for o in ops)
+        assert sum(o["ms"] for o in ops) > 0
+    assert "5" not in doc["profile_ms"]
+
+
+def test_the_bytes_a_pass_reads_are_its_weights_and_its_context(tiny_target):
+    import torch
+
+    from dspark.decode.llama import Llama
+
+    model = Llama.from_hf(tiny_target.model)
+    p = bench_pass.Pass(model, 10, 3, torch.Generator().manual_seed(0))
+    s = model.s
+    weights = sum(w.numel() for w in bench_pass.weights(model)) * 4
+    kv = 2 * len(model.layers) * s.num_kv_heads * s.head_dim * 13 * 4
+    assert p.bytes_read() == weights + kv
+    assert p.multiply_adds() == 3 * weights // 4
+    assert any(w is model.lm_head.weight for w in bench_pass.weights(model))
