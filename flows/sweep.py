@@ -29,6 +29,9 @@ the points its table already holds with the same settings are kept, the rest run
 compute reuses the step costs measured the first time (kept in `<name>.plan.json` beside the
 table), so no point's budget depends on when it ran.
 
+`--single-item` runs only the swept stage on the upstream outputs as they are (`dvc exp run -s`):
+a study on one extraction stays on it even after the engine's code moves on.
+
 `dvc exp run -S` writes into params.yaml, so the file is restored after every point and points
 never accumulate. The table, one row per point ranked by `--metric`, goes to
 metrics/sweeps/<name>.csv (and .json, with the command that made it).
@@ -136,6 +139,7 @@ def sweep(
     seeds: tuple[int, ...] = (),
     cost_batches: int = 4,
     resume: bool = False,
+    single_item: bool = False,
 ) -> list[dict]:
     logger = get_run_logger()
     root_path = Path(root)
@@ -176,7 +180,7 @@ def sweep(
             dvc(["exp", "remove", exp], root_path)  # a rerun of the sweep replaces its points
             t0 = time.perf_counter()
             try:
-                rc, out = dvc(["exp", "run", stage, "--name", exp, *sets], root_path)
+                rc, out = dvc(exp_run_args(stage, exp, sets, single_item), root_path)
             finally:
                 write_text(params_file, kept[params_file].decode())  # the same start each time
             if rc != 0:
@@ -224,6 +228,13 @@ def _equal_compute(
         [{**s, "train.max_steps": n} for s, n in zip(settings, steps, strict=True)],
         [c.step_s for c in costs],
     )
+
+
+def exp_run_args(stage: str, exp: str, sets: list[str], single_item: bool) -> list[str]:
+    """`dvc exp run` for one point; `single_item` runs the stage alone on the outputs upstream
+    as they are, even where upstream code has changed since they were made (a study on a fixed
+    extraction: DVC would otherwise extract again, hours, before the first point)."""
+    return ["exp", "run", stage, *(["--single-item"] if single_item else []), "--name", exp, *sets]
 
 
 def plan_points(
@@ -369,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-batches", type=int, default=4, help="batches the step cost is timed on")
     ap.add_argument("--seeds", default="", help="comma-separated train.seed values per point")
     ap.add_argument(
+        "--single-item",
+        action="store_true",
+        help="run the stage alone on the upstream outputs as they are (dvc exp run -s), even "
+        "where upstream code changed since they were made",
+    )
+    ap.add_argument(
         "--resume",
         action="store_true",
         help="continue this sweep where it stopped: keep the points its table already has and "
@@ -398,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             seeds=seeds,
             cost_batches=args.cost_batches,
             resume=args.resume,
+            single_item=args.single_item,
         )
     except ConfigError as e:
         print(f"sweep: error: {e}", file=sys.stderr)

@@ -142,3 +142,19 @@ def test_a_continued_sweep_keeps_its_plan_and_the_points_it_ran(tmp_path, monkey
         sweep_flow.plan_points(stem, tmp_path, "train", asked[:1], 10, (0, 1), 4, True)
     fresh, _ = sweep_flow.plan_points(stem, tmp_path, "train", asked[:1], 10, (0, 1), 4, False)
     assert len(fresh) == 2 and timed == [2, 1]  # without --resume: planned anew
+
+
+def test_single_item_runs_the_stage_alone():
+    from flows.sweep import exp_run_args
+
+    sets = ["-S", "profiles.full.train.seed=1"]
+    assert exp_run_args("train", "s-0", sets, False) == [
+        "exp",
+        "run",
+        "train",
+        "--name",
+        "s-0",
+        *sets,
+    ]
+    alone = exp_run_args("train", "s-0", sets, True)
+    assert alone[:4] == ["exp", "run", "train", "--single-item"] and alone[-2:] == sets
