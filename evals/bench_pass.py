@@ -12,6 +12,11 @@ the multiplies themselves (the same shapes through `F.linear`, nothing else) and
 else the engine does (attention, norms, rope, cache writes, Python); the profile of the 1- and
 2-token passes (torch.profiler, per operator, ms per pass) says which.
 
+Each trained draft under `--drafts` is timed the same way: one proposal for one row at the same
+context, against its floor, its own weights read once per forward it runs (one for a block
+draft, one per drafted token for EAGLE-3; the target's embedding rows it looks up are few and
+left out).
+
 Measurements alternate between the engine and the bare multiplies per repeat, so a busy
 machine shifts both alike; run it alone all the same. Prints a table and writes
 metrics/studies/target_pass.json, with the CPU's flags and the thread count beside the figures.
@@ -31,7 +36,11 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from dspark.config import load_params
+from dspark.decode.drafters import DSparkProposer
+from dspark.decode.engine import SpecDecoder
 from dspark.decode.llama import Llama
+from dspark.decode.sampling import GREEDY
+from dspark.drafts import DRAFT_KINDS, load_proposer
 from dspark.metrics import cpu_features, write_metrics
 from dspark.models.target import load_target_for, set_threads
 
@@ -105,6 +114,47 @@ class Pass:
         return self.k * sum(w.numel() for w in self.weights)
 
 
+def draft_costs(
+    model: Llama, target, drafts: Path, context: int, repeats: int, bandwidth: float
+) -> list[dict]:
+    """ms per proposal of every trained draft in `drafts`, one row at `context` tokens, against
+    its bandwidth floor."""
+    out = []
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).tolist()
+    for kind in DRAFT_KINDS.names():
+        folder = drafts / kind
+        if not folder.is_dir():
+            continue
+        prop = load_proposer(folder, target.embed)
+        pre = SpecDecoder(model, prop, target.eos_token_id, target.max_context).prefill(
+            [prompt], max_new_tokens=2
+        )
+        prop.start(1, pre.seq.shape[1] - 1)
+        pre.seq[0, context] = int(pre.logits[0].argmax())
+        prop.extend(pre.seq, torch.zeros(1, dtype=torch.long), pre.lens, pre.feats)
+        active = torch.ones(1, dtype=torch.bool)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            prop.propose(pre.seq, pre.lens.clone(), active, GREEDY, None)
+            times.append(time.perf_counter() - t0)
+        forwards = 1 if isinstance(prop, DSparkProposer) else prop.k  # a block, or k steps
+        weights = sum(p.numel() * p.element_size() for p in prop.model.parameters())
+        ms = statistics.median(times[1:]) * 1000
+        floor = forwards * weights / bandwidth * 1000
+        out.append(
+            {
+                "draft": kind,
+                "drafts_per_proposal": prop.k,
+                "ms": round(ms, 2),
+                "floor_ms": round(floor, 3),
+                "over_floor": round(ms / floor, 2),
+            }
+        )
+    return out
+
+
 def operator_profile(p: Pass, passes: int = 10, top: int = 12) -> list[dict]:
     """ms per pass by operator (self time), the largest first."""
     p.engine()
@@ -136,13 +186,17 @@ def main(argv: list[str] | None = None) -> None:
         "--bandwidth-gib", type=float, default=1.0, help="buffer the read bandwidth is timed on"
     )
     ap.add_argument("--target", type=Path, default=ROOT / "artifacts" / "target")
+    ap.add_argument(
+        "--drafts", type=Path, default=ROOT / "artifacts" / "drafts", help="trained drafts to time"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "target_pass.json")
     args = ap.parse_args(argv)
     if min(args.tokens) < 1 or args.context < 1 or args.repeats < 3:
         ap.error("--tokens and --context at least 1, --repeats at least 3")
     params = load_params(ROOT / "params.yaml")
     threads = set_threads(args.threads)
-    model = Llama.from_hf(load_target_for(params.target, args.target).model)
+    target = load_target_for(params.target, args.target)
+    model = Llama.from_hf(target.model)
     gen = torch.Generator().manual_seed(0)
     bandwidth, rate = read_bandwidth(args.bandwidth_gib), gemm_rate()
     rows, profiles = [], {}
@@ -167,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         if k in (1, 2):
             profiles[str(k)] = operator_profile(p)
+    drafts = draft_costs(model, target, args.drafts, args.context, args.repeats, bandwidth)
     one = next((r for r in rows if r["tokens"] == 1), None)
     if one:
         for r in rows:
@@ -179,6 +234,11 @@ def main(argv: list[str] | None = None) -> None:
         cells = [r["tokens"], r["engine_ms"], r["multiplies_ms"], r["floor_ms"]]
         cells += [r["engine_over_multiplies"], r["engine_over_floor"]]
         print("".join(f"{c:>11}" for c in cells))
+    if drafts:
+        print("\ndraft, ms per proposal against its floor:")
+        for d in drafts:
+            print(f"  {d['draft']:>7} k={d['drafts_per_proposal']}: {d['ms']:.2f} ms, "
+                  f"floor {d['floor_ms']:.3f} ms ({d['over_floor']}x)")  # fmt: skip
     for k, ops in profiles.items():
         print(f"\nk={k}, ms per pass by operator:")
         for op in ops:
@@ -196,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
             "read_bytes_per_s": round(bandwidth),
             "multiply_adds_per_s": round(rate),
             "passes": rows,
+            "drafts": drafts,
             "profile_ms": profiles,
         },
     )

@@ -20,7 +20,7 @@ from dspark.io import atomic_dir
 from dspark.models.dspark import DSparkDraft
 from dspark.train.checkpoint import save_draft
 from tests.conftest import ROOT, tool_env, write_jsonl
-from tests.unit.test_spec_decode import tiny_drafts, trained_drafts
+from tests.unit.test_spec_decode import save_trained_drafts, tiny_drafts
 
 PROMPTS = [
     {"id": "m", "category": "math_reasoning", "prompt": "What is 3 + 4? Then add 5."},
@@ -32,11 +32,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def drafts(tiny_target, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("drafts")
-    for name, (model, ids) in trained_drafts(tiny_target).items():
-        with atomic_dir(folder / name) as tmp:
-            save_draft(tmp, model, ids, {})
-    return folder
+    return save_trained_drafts(tiny_target, tmp_path_factory.mktemp("drafts"))
 
 
 METHODS = ("dspark", "eagle3", "dflash", "ngram", "none")  # the smoke profile's

@@ -17,11 +17,9 @@ import pytest
 import torch
 
 from dspark.config import load_params
-from dspark.io import atomic_dir
 from dspark.serve.bench import BenchPaths, benchmark
-from dspark.train.checkpoint import save_draft
 from tests.conftest import ROOT, write_jsonl
-from tests.unit.test_spec_decode import trained_drafts
+from tests.unit.test_spec_decode import save_trained_drafts
 
 PROMPT = [1, 20, 30, 40, 50, 60, 70, 80]
 
@@ -32,9 +30,7 @@ def workdir(tiny_target, tiny_target_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     (root / "artifacts").mkdir()
     (root / "artifacts" / "target").symlink_to(tiny_target_dir)
-    for name, (model, ids) in trained_drafts(tiny_target).items():
-        with atomic_dir(root / "artifacts" / "drafts" / name) as tmp:
-            save_draft(tmp, model, ids, {})
+    save_trained_drafts(tiny_target, root / "artifacts" / "drafts")
     return root
 
 

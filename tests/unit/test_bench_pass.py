@@ -9,11 +9,19 @@ import pytest
 from evals import bench_pass
 
 
-def test_the_pass_is_set_against_its_multiplies_and_its_floor(tiny_target_dir, tmp_path):
+@pytest.fixture(scope="module")
+def drafts(tiny_target, tmp_path_factory):
+    from tests.unit.test_spec_decode import save_trained_drafts
+
+    return save_trained_drafts(tiny_target, tmp_path_factory.mktemp("drafts"))
+
+
+def test_the_pass_is_set_against_its_multiplies_and_its_floor(tiny_target_dir, drafts, tmp_path):
     out = tmp_path / "pass.json"
     bench_pass.main(
         ["--tokens", "1", "2", "5", "--context", "24", "--repeats", "3", "--threads", "1",
-         "--bandwidth-gib", "0.02", "--target", str(tiny_target_dir), "--out", str(out)]
+         "--bandwidth-gib", "0.02", "--target", str(tiny_target_dir), "--drafts", str(drafts),
+         "--out", str(out)]
     )  # fmt: skip
     doc = json.loads(out.read_text())
     assert [r["tokens"] for r in doc["passes"]] == [1, 2, 5]
@@ -28,6 +36,10 @@ def test_the_pass_is_set_against_its_multiplies_and_its_floor(tiny_target_dir, t
         assert ops[-1]["op"] == "(the rest)" and any("mm" in o["op"] for o in ops)
         assert sum(o["ms"] for o in ops) > 0
     assert "5" not in doc["profile_ms"]
+    timed = {d["draft"]: d for d in doc["drafts"]}
+    assert set(timed) == {p.name for p in drafts.iterdir()}
+    for d in timed.values():
+        assert d["ms"] > 0 and d["floor_ms"] > 0 and d["drafts_per_proposal"] >= 1
 
 
 def test_the_bytes_a_pass_reads_are_its_weights_and_its_context(tiny_target):

@@ -113,6 +113,17 @@ def trained_drafts(varied) -> dict:
     return {"dspark": (dspark, ids), "eagle3": (eagle, ids), "dflash": tiny_dflash(varied)}
 
 
+def save_trained_drafts(varied, folder):
+    """A drafts folder as the train stage writes it, one subfolder per kind -> `folder`."""
+    from dspark.io import atomic_dir
+    from dspark.train.checkpoint import save_draft
+
+    for name, (model, ids) in trained_drafts(varied).items():
+        with atomic_dir(folder / name) as tmp:
+            save_draft(tmp, model, ids, {})
+    return folder
+
+
 def test_plain_decoding_equals_transformers_generate(llama, varied, prompts, reference):
     traces, _ = decoder(llama, varied, NoProposer()).generate(prompts, NEW)
     assert [t.tokens for t in traces] == reference
