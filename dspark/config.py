@@ -618,8 +618,21 @@ class ServeConfig(Section):
         (1, 3), description="ngram mode's (min, max) match length; evaluate's sweep picks it"
     )
     hybrid: HybridConfig = HybridConfig()
+    cost_model: bool = Field(
+        True,
+        description="ngram, eagle3, dflash and hybrid verify, each step and request, only the "
+        "drafts expected to emit the most tokens per ms (from the verify cost profiled at start "
+        "and the acceptance measured per slot), as dspark_adaptive always does; false: every "
+        "draft they propose. dspark_fixed keeps its fixed k (serve.dspark_k) either way",
+    )
     smoothing: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(
-        0.8, description="dspark_adaptive: EMA weight of the past survival curve"
+        0.8, description="cost model: EMA weight of the past survival curve (the step's budget)"
+    )
+    acceptance_decay: Annotated[float, Field(ge=0.0, lt=1.0)] = Field(
+        0.98,
+        description="cost model: weight of the past in the acceptance measured per slot (and "
+        "the confidence calibration), per step that verified drafts: about 1 / (1 - decay) "
+        "steps count",
     )
     profile_repeats: PosInt = Field(3, description="timed runs per verify-cost point")
     seed: int = 0

@@ -76,19 +76,23 @@ class Rows:
 
 @dataclass
 class Step:
-    """What one step did to the rows it ran over (b of them)."""
+    """What one step did to the rows it ran over (b of them), and where its time went: the
+    parts follow one another, so they add up to the step."""
 
     proposed: torch.Tensor  # [b] drafts verified (0 for idle rows)
     accepted: torch.Tensor  # [b]
     tokens: torch.Tensor  # [b, w]: row i's first count[i] are its new tokens, in order
     count: torch.Tensor  # [b] accepted + 1 for active rows, else 0
     confidence: torch.Tensor | None  # [b, k] the draft's, when it has them
-    draft_s: float
-    verify_s: float
+    draft_s: float  # proposing, and the drafter's own cache of the step's final positions
+    verify_s: float  # the target's pass over [anchor, drafts]
+    accept_s: float = 0.0  # after the pass: the verdict, the new tokens written, rows advanced
+    schedule_s: float = 0.0  # the plan: how many drafts each row verifies
 
 
-# conf [a, k] of the a active rows -> [a] how many drafts each sends to verification
-Plan = Callable[[torch.Tensor], torch.Tensor]
+# (rows [a] the active rows' indices in the pool, k_row [a] drafts each proposed, conf [a, k]
+# the draft's confidences or None) -> [a] how many drafts each sends to verification
+Plan = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def keep(tokens: list[int], have: int, max_new_tokens: int, eos_id: int) -> tuple[list[int], bool]:
@@ -204,7 +208,9 @@ class SpecDecoder:
         while rows.active.any():
             was_active = rows.active.clone()
             st = self.step(rows, sampling, gen)
-            timing.draft_s += st.draft_s
+            # The evaluation's split has two parts, as its recorded figures always had: the
+            # step's bookkeeping counts with drafting (the serving engine keeps it apart).
+            timing.draft_s += st.draft_s + st.accept_s + st.schedule_s
             timing.verify_s += st.verify_s
             for i in torch.nonzero(was_active).flatten().tolist():
                 tr = traces[i]
@@ -272,39 +278,43 @@ class SpecDecoder:
         draft: bool = True,
     ) -> Step:
         """One draft-and-verify step over rows[span] (idle rows among them sit it out).
-        `plan` may cut each active row's draft short (confidence-scheduled verification);
+        `plan` may cut each active row's draft short (the serving engine's cost model);
         `max_drafts` caps every row's (a fixed k below the draft's block); `draft` False skips
         drafting (a plain step; the proposer still sees the new positions)."""
+        t0 = time.perf_counter()
         prop = self.proposer
         seq, n, active = rows.seq[span], rows.n[span], rows.active[span]
         cache = KVCache(rows.cache.k[:, span], rows.cache.v[:, span])
         b, scratch = seq.shape[0], rows.slots
         idx = torch.arange(b)
-        t0 = time.perf_counter()
         if draft:
             proposal = prop.propose(seq, n, active, sampling, gen, span)
         else:
             proposal = Proposal(seq.new_zeros(b, 0), seq.new_zeros(b))
+        t1 = time.perf_counter()
         k_row = torch.where(active, proposal.k_row, 0)
         if max_drafts is not None:
             k_row = k_row.clamp_max(max_drafts)
-        if plan is not None and proposal.confidence is not None and bool(active.any()):
-            k_row[active] = torch.minimum(k_row[active], plan(proposal.confidence[active]))
+        if plan is not None and bool(k_row.any()):
+            act = torch.nonzero(active).flatten()
+            conf = None if proposal.confidence is None else proposal.confidence[act]
+            k_row[act] = torch.minimum(k_row[act], plan(act + (span.start or 0), k_row[act], conf))
         k = int(k_row.max())  # verify no wider than the longest draft kept
         drafts = proposal.tokens[:, :k]
-        t1 = time.perf_counter()
+        t2 = time.perf_counter()
         width = k + 1
         tokens = torch.cat((seq[idx, n][:, None], drafts), dim=1)  # [b, 1+k]
         positions = n[:, None] + torch.arange(width)
         valid = (torch.arange(width) <= k_row[:, None]) & active[:, None]
         if sampling.greedy:  # the target's choices only: a replay has no logits to make
             pred, taps = self.target.greedy(tokens, positions, cache, valid, taps=prop.taps)
+            t3 = time.perf_counter()
             verdict = verify_greedy(drafts, pred, k_row)
         else:
             logits, taps = self.target(tokens, positions, cache, valid, taps=prop.taps)
+            t3 = time.perf_counter()
             q = None if proposal.q is None else proposal.q[:, :k]
             verdict = verify_sampled(drafts, q, warp(logits, sampling), k_row, gen)
-        t2 = time.perf_counter()
 
         a = verdict.accepted
         count = torch.where(active, a + 1, 0)
@@ -313,8 +323,19 @@ class SpecDecoder:
         new[idx, a] = verdict.next_token
         write = torch.where(offs[None, :] < count[:, None], n[:, None] + 1 + offs, scratch)
         seq[idx[:, None], write] = new
-        prop.extend(seq, n, count, taps, span)  # the drafter's cache: its cost is drafting's
+        start = n.clone()
         n += count
+        t4 = time.perf_counter()
+        prop.extend(seq, start, count, taps, span)  # the drafter's cache: its cost is drafting's
+        t5 = time.perf_counter()
         return Step(
-            k_row, a, new, count, proposal.confidence, t1 - t0 + time.perf_counter() - t2, t2 - t1
+            k_row,
+            a,
+            new,
+            count,
+            proposal.confidence,
+            draft_s=t1 - t0 + t5 - t4,
+            verify_s=t3 - t2,
+            accept_s=t4 - t3,
+            schedule_s=t2 - t1,
         )

@@ -6,9 +6,12 @@ our engine here and vLLM elsewhere.
                            server), stream (server-sent events, ending `data: [DONE]`)
     GET  /v1/models        the one model served
     GET  /health           ready once the engine is (the verify cost is profiled at start)
-    GET  /v1/dspark/stats  the engine's totals: steps, drafting and verification time (and the
-                           adaptive mode's verify cost profiled at start and its scheduler's
-                           state: does drafting pay, the drafting overhead, the survival curve)
+    GET  /v1/dspark/stats  the engine's totals: steps, and a step's time split into drafting,
+                           verification, accepting and scheduling (`EngineStats`); for a mode
+                           the cost model plans, the verify cost profiled at start and the
+                           scheduler's state: does drafting pay, the drafting overhead, the
+                           survival curve, the acceptance measured per slot (`acceptance`:
+                           decayed trials, rate, and a head's calibration ratio)
 
 Beyond OpenAI's fields, each choice carries `token_ids` (the tokens in this chunk, as vLLM's
 `return_token_ids` gives them) and the final response a `dspark` object (verify steps, drafts
@@ -106,7 +109,7 @@ class Detokenizer:
 def create_app(
     engine: ServeEngine, tokenizer, model_name: str, mode: str, verify_cost: dict | None = None
 ) -> FastAPI:
-    """`verify_cost`: the table the adaptive mode profiled at start, shown in the stats."""
+    """`verify_cost`: the table a cost-model mode profiled at start, shown in the stats."""
     app = FastAPI(title="dspark", docs_url=None, redoc_url=None)
     vocab = len(tokenizer)
 

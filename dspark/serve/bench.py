@@ -8,9 +8,10 @@ A cell is (mode, concurrency, workload): `requests_per_client` x c requests (at 
 (idle ones cost nothing) and each cell is run for every mode in turn, so ratios compare
 measurements taken side by side. Each round starts every endpoint afresh, so medians over rounds
 sample the process a mode happens to run in, not one process's luck. Around each cell the
-server's step counters are read, so each cell knows its steps and how its time split between
-drafting and verification. Mode `none_vllm` (opt-in) serves vLLM's own server instead of ours:
-see `vllm_mode.py`.
+server's step counters are read, so each cell knows its steps and where a step's time went
+(drafting, verification, accepting, scheduling) and how much of the client's time was not in
+steps at all (prefill, HTTP and the rest). Mode `none_vllm` (opt-in) serves vLLM's own server
+instead of ours: see `vllm_mode.py`.
 
     endpoints.py  a mode's `dspark endpoint` process
     workload.py   the requests and the cells
@@ -159,10 +160,8 @@ def assemble(params: Params, cells: list[dict]) -> dict:
     none1 = _cell(cells, "none", 1, w)
     for m in SPECULATIVE:
         x = _cell(cells, m, 1, w)
-        if x and none1 and x.get("tau") and x.get("steps") and none1.get("steps"):
-            t_none = none1["draft_ms"] + none1["verify_ms"]
-            t_mode = x["draft_ms"] + x["verify_ms"]
-            predicted[m] = round(x["tau"] * t_none / t_mode, 3)
+        if x and none1 and x.get("tau") and x.get("step_ms") and none1.get("step_ms"):
+            predicted[m] = round(x["tau"] * none1["step_ms"] / x["step_ms"], 3)
     dspark_modes = [m for m in ("dspark_adaptive", "dspark_fixed") if _cell(cells, m, 1, w)]
     best = max(dspark_modes, key=lambda m: tok_s(m, 1) or 0, default=None)
 

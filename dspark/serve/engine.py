@@ -13,11 +13,16 @@ Modes (what drafts, and how many drafts each row sends to verification):
     eagle3           the EAGLE-3 draft, its trained depth
     dflash           the DFlash draft, its whole block per row
     dspark_fixed     the DSpark draft, k drafts per row (k in params)
-    dspark_adaptive  the DSpark draft, each step's budget and split from its confidences
-                     (dspark.serve.scheduler), against the verify cost profiled at start
+    dspark_adaptive  the DSpark draft, each step's budget and split from its calibrated
+                     confidences (dspark.serve.scheduler), against the verify cost profiled
+                     at start
     hybrid           per step and request, a suffix lookup's drafts or a trained draft's
                      block (`serve.hybrid.draft`), whichever is expected to get more accepted
                      (dspark.decode.hybrid)
+
+With `serve.cost_model` on, ngram, eagle3, dflash and hybrid are planned as dspark_adaptive is,
+from the acceptance measured per slot (hybrid: its own per-request estimates, calibrated): each
+step verifies the drafts expected to emit the most tokens per millisecond, or none.
 """
 
 from __future__ import annotations
@@ -57,16 +62,25 @@ class Request:
 
 @dataclass
 class EngineStats:
-    """Totals since start, for the benchmark's cost split (read by GET /v1/dspark/stats)."""
+    """Totals since start, for the benchmark's cost split (read by GET /v1/dspark/stats).
+
+    A step's wall time (`step_s`) is split into parts that follow one another, so they add up
+    to it: drafting (proposing, the drafter's cache, a probe's catch-up), the target's verify
+    pass, accepting (after the pass: the verdict, the new tokens written and delivered to their
+    requests) and scheduling (the cost model: whether to draft, the plan, measuring what was
+    accepted). Prefill (admitting a request) happens between steps, apart."""
 
     requests: int = 0
     tokens: int = 0
     steps: int = 0  # engine steps (one per batch, not per row)
-    draft_steps: int = 0  # of them, those that drafted (the adaptive mode skips some)
+    draft_steps: int = 0  # of them, those that drafted (the cost model skips some)
     row_steps: int = 0
     prefill_s: float = 0.0
+    step_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    accept_s: float = 0.0
+    schedule_s: float = 0.0
 
     def to_json(self) -> dict:
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in self.__dict__.items()}
@@ -87,6 +101,8 @@ class ServeEngine:
         self.scheduler, self.max_drafts = scheduler, max_drafts
         self.max_len = max_len
         self.rows = decoder.new_rows(max_batch, max_len)
+        if scheduler is not None:
+            scheduler.start(max_batch, decoder.proposer.k)
         self.slots: list[Request | None] = [None] * max_batch
         self.waiting: deque[Request] = deque()
         self.stats = EngineStats()
@@ -201,6 +217,8 @@ class ServeEngine:
                 req = self.waiting.popleft()
                 self.slots[free] = req
             t0 = time.perf_counter()
+            if self.scheduler is not None:  # the row's measured acceptance was another's
+                self.scheduler.admit(free)
             first = self.decoder.admit(self.rows, free, req.prompt, self.sampling, self.gen)
             self.stats.prefill_s += time.perf_counter() - t0
             self.stats.requests += 1
@@ -220,18 +238,23 @@ class ServeEngine:
         self._finish(req, kept, "stop" if stop else "length")
 
     def _step(self) -> None:
+        # Each part is charged from the mark before it, so the parts add up to the step's wall
+        # time; the decoder's step times its own parts the same way.
+        stats = self.stats
+        start = time.perf_counter()
         busy = torch.nonzero(self.rows.active).flatten()
         span = slice(0, int(busy.max()) + 1)
         was_active = self.rows.active[span].clone()
         sched, prop = self.scheduler, self.decoder.proposer
         drafting = sched is None or sched.wants_draft()
+        mark = time.perf_counter()
+        stats.schedule_s += mark - start
         if drafting and prop.holding:
             # A probe first catches up on the context work held since the last one, timed apart:
             # it is not what a step costs once drafting pays, and counting it in the drafting
             # overhead would make drafting look dearer the longer it has been off.
-            t0 = time.perf_counter()
             prop.flush()
-            self.stats.draft_s += time.perf_counter() - t0
+            stats.draft_s += time.perf_counter() - mark
         # Where drafting does not pay, the draft's per-step context work waits for the probes.
         prop.holding = sched is not None and not sched.pays
         st = self.decoder.step(
@@ -239,24 +262,38 @@ class ServeEngine:
             self.sampling,
             self.gen,
             span,
-            plan=None if sched is None else sched.plan,
+            plan=None if sched is None else sched.decide,
             max_drafts=self.max_drafts,
             draft=drafting,
         )
-        if sched is not None and drafting:  # drafting's cost, which a drafting step pays
-            ms = st.draft_s * 1000
+        stats.draft_s += st.draft_s
+        stats.verify_s += st.verify_s
+        stats.accept_s += st.accept_s
+        stats.schedule_s += st.schedule_s
+        # (The call's own microseconds outside the decoder's clock go uncounted.)
+        mark = time.perf_counter()
+        ran = torch.nonzero(was_active).flatten()
+        if sched is not None and drafting and bool(st.proposed.any()):
+            conf = None if st.confidence is None else st.confidence[ran]
+            sched.observe(ran, st.proposed[ran], st.accepted[ran], conf)
+            # What a drafting step pays besides verification: the draft and the plan.
+            ms = (st.draft_s + st.schedule_s) * 1000
             sched.overhead_ms = 0.8 * sched.overhead_ms + 0.2 * ms if sched.overhead_ms else ms
-        self.stats.steps += 1
-        self.stats.draft_steps += drafting and prop.k > 0
-        self.stats.draft_s += st.draft_s
-        self.stats.verify_s += st.verify_s
-        for r in torch.nonzero(was_active).flatten().tolist():
+        now = time.perf_counter()
+        stats.schedule_s += now - mark
+        mark = now
+        stats.steps += 1
+        stats.draft_steps += drafting and prop.k > 0
+        for r in ran.tolist():
             req = self.slots[r]
-            self.stats.row_steps += 1
+            stats.row_steps += 1
             req.steps += 1
             req.proposed += int(st.proposed[r])
             req.accepted += int(st.accepted[r])
             self._deliver(r, req, st.tokens[r, : int(st.count[r])].tolist())
+        end = time.perf_counter()
+        stats.accept_s += end - mark
+        stats.step_s += end - start
 
 
 @torch.no_grad()

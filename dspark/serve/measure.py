@@ -21,6 +21,7 @@ from dspark.records import Records
 from dspark.serve.client import summarize
 from dspark.serve.endpoints import EndpointProcess
 from dspark.serve.rounds import merge_rounds, rotated
+from dspark.serve.scheduler import cost_modelled
 from dspark.serve.vllm_mode import MODE as VLLM_MODE
 from dspark.serve.vllm_mode import VllmEndpoint
 from dspark.serve.workload import cell_plan
@@ -140,13 +141,14 @@ def endpoints_up(
     params: Params, resolved: Path, target, drafts, logs: Path, root: Path, log, suffix: str = ""
 ):
     """A fresh endpoint per mode, ready, in the order of `benchmark.modes`, each logging to
-    `logs/<mode><suffix>.log`; all stopped, their ports freed, on exit. The adaptive mode times
-    the verify pass at start: it starts alone, after the rest are up."""
+    `logs/<mode><suffix>.log`; all stopped, their ports freed, on exit. The modes the cost
+    model plans time the verify pass at start: each starts alone, after the rest are up, so
+    no other process's loading or profiling shares the cores it is timed on."""
     host, modes = params.serve.host, params.benchmark.modes
     started = {}
-    quiet = [m for m in modes if m == "dspark_adaptive"]
+    quiet = [m for m in modes if cost_modelled(m, params.serve.cost_model)]
     with contextlib.ExitStack() as stack:
-        for group in ([m for m in modes if m not in quiet], quiet):
+        for group in ([m for m in modes if m not in quiet], *([m] for m in quiet)):
             for mode in group:
                 log_file = logs / f"{mode}{suffix}.log"
                 if mode == VLLM_MODE:
@@ -180,28 +182,43 @@ def run_cell(ep: EndpointProcess, concurrency: int, workload: str, params, reque
     after = ep.stats()
     cell = {"mode": ep.mode, "concurrency": concurrency, "workload": workload}
     cell.update(summarize(raw))
-    cell.update(step_costs(before, after))
+    cell.update(step_costs(before, after, raw["wall_s"]))
+    cell["cost_model"] = "scheduler" in after  # a cost model planned this mode's drafts
     if cell["errors"]:
         first = next(r["error"] for r in raw["records"] if "error" in r)
         raise RuntimeError(f"{ep.mode} c={concurrency}: {cell['errors']} requests failed: {first}")
     return cell
 
 
-def step_costs(before: dict, after: dict) -> dict:
+# A step's parts in the server's stats (dspark.serve.engine.EngineStats), each summed over the
+# cell and given per engine step as `<part>_ms`.
+STEP_PARTS = ("draft", "verify", "accept", "schedule")
+
+
+def step_costs(before: dict, after: dict, wall_s: float | None = None) -> dict:
+    """Where a cell's time went, in ms per engine step: the step's parts (`draft_ms`,
+    `verify_ms`, `accept_ms`, `schedule_ms`, adding up to `step_ms`), `prefill_ms` (admitting
+    requests, between steps) and `other_ms`: the client's wall time spent in neither (HTTP,
+    tokenizing, the engine idle between a request's end and the next). `draft_share` is the
+    draft's share of a step."""
     steps = after["steps"] - before["steps"]
-    draft, verify = after["draft_s"] - before["draft_s"], after["verify_s"] - before["verify_s"]
-    # Steps that drafted (`dspark_adaptive` skips drafting where it does not pay).
+    # Steps that drafted (the cost model skips drafting where it does not pay).
     drafted = after.get("draft_steps", 0) - before.get("draft_steps", 0)
+    keys = [f"{p}_ms" for p in (*STEP_PARTS, "step", "prefill", "other")]
     if steps <= 0:
-        return {"steps": 0, "draft_steps": 0, "draft_ms": None, "verify_ms": None,
-                "draft_share": None}  # fmt: skip
-    return {
-        "steps": steps,
-        "draft_steps": drafted,
-        "draft_ms": round(draft * 1000 / steps, 2),
-        "verify_ms": round(verify * 1000 / steps, 2),
-        "draft_share": round(draft / (draft + verify), 4) if draft + verify > 0 else None,
-    }
+        return {"steps": 0, "draft_steps": 0, **dict.fromkeys(keys), "draft_share": None}
+
+    def spent(key: str) -> float:  # seconds over the cell (older servers lack a key: 0)
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    step, prefill = spent("step_s"), spent("prefill_s")
+    out = {"steps": steps, "draft_steps": drafted}
+    for part in (*STEP_PARTS, "step", "prefill"):
+        out[f"{part}_ms"] = round(spent(f"{part}_s") * 1000 / steps, 2)
+    other = None if wall_s is None else (wall_s - step - prefill) * 1000 / steps
+    out["other_ms"] = None if other is None else round(other, 2)
+    out["draft_share"] = round(spent("draft_s") / step, 4) if step > 0 else None
+    return out
 
 
 def hf_baseline(params: Params, target, requests: list[dict]) -> dict:

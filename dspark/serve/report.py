@@ -23,6 +23,23 @@ COLUMNS = (
 )
 
 
+# Where a step's time went, ms per engine step (dspark.serve.measure.step_costs): the step's
+# parts add up to `step`; `prefill` and `other` (HTTP and the rest of the client's wall time)
+# fall between steps.
+COST_COLUMNS = (
+    ("mode", "mode", 16),
+    ("concurrency", "c", 3),
+    ("workload", "workload", 15),
+    ("draft_ms", "draft", 7),
+    ("verify_ms", "verify", 7),
+    ("accept_ms", "accept", 7),
+    ("schedule_ms", "sched", 7),
+    ("step_ms", "step", 7),
+    ("prefill_ms", "prefill", 7),
+    ("other_ms", "HTTP+", 7),
+)
+
+
 def _fmt(key: str, v) -> str:
     if v is None:
         return "-"
@@ -31,11 +48,26 @@ def _fmt(key: str, v) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def table(result: dict) -> str:
-    head = " ".join(f"{label:>{w}}" for _, label, w in COLUMNS)
+def _rows(cells: list[dict], columns) -> list[str]:
+    head = " ".join(f"{label:>{w}}" for _, label, w in columns)
     lines = [head, "-" * len(head)]
-    for x in sorted(result["cells"], key=lambda x: (x["workload"], x["concurrency"], x["mode"])):
-        lines.append(" ".join(f"{_fmt(k, x.get(k)):>{w}}" for k, _, w in COLUMNS))
+    for x in sorted(cells, key=lambda x: (x["workload"], x["concurrency"], x["mode"])):
+        lines.append(" ".join(f"{_fmt(k, x.get(k)):>{w}}" for k, _, w in columns))
+    return lines
+
+
+def cost_table(result: dict) -> list[str]:
+    """A step's cost split per cell, ms per engine step (cells with steps only)."""
+    cells = [x for x in result["cells"] if x.get("step_ms") is not None]
+    if not cells:
+        return []
+    note = "ms per engine step: draft + verify + accept + sched = step; prefill, HTTP+ apart"
+    return ["", note, *_rows(cells, COST_COLUMNS)]
+
+
+def table(result: dict) -> str:
+    lines = _rows(result["cells"], COLUMNS)
+    lines.extend(cost_table(result))
     lines.append(
         f"predicted single-stream speedup: {result['predicted_speedup_c1']} "
         f"(by mode {result['predicted_speedup_c1_by_mode']}); "

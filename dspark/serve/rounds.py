@@ -11,7 +11,10 @@ from __future__ import annotations
 import statistics
 
 SUMMED = ("requests", "errors", "tokens", "steps", "draft_steps", "wall_s")
-PER_STEP = ("draft_ms", "verify_ms")  # averaged over all rounds' steps
+# A step's cost split (dspark.serve.measure.step_costs), averaged over all rounds' steps.
+PER_STEP = (
+    "draft_ms", "verify_ms", "accept_ms", "schedule_ms", "step_ms", "prefill_ms", "other_ms",
+)  # fmt: skip
 KEYS = ("mode", "concurrency", "workload")
 
 
@@ -37,7 +40,8 @@ def _merge(xs: list[dict]) -> dict:
     steps = sum(x.get("steps") or 0 for x in xs)
     for key in xs[0]:
         vals = [x[key] for x in xs if x.get(key) is not None]
-        if key in KEYS or not all(isinstance(v, int | float) for v in vals):
+        numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals)
+        if key in KEYS or not numbers:  # the first round's (a flag is the same every round)
             continue
         if key in SUMMED:
             out[key] = round(sum(vals), 3) if key == "wall_s" else sum(vals)
@@ -46,9 +50,8 @@ def _merge(xs: list[dict]) -> dict:
             out[key] = round(total / steps, 2) if steps else None
         else:
             out[key] = statistics.median(vals) if vals else None
-    if out.get("draft_ms") is not None and out.get("verify_ms") is not None:
-        spent = out["draft_ms"] + out["verify_ms"]
-        out["draft_share"] = round(out["draft_ms"] / spent, 4) if spent > 0 else None
+    if out.get("draft_ms") is not None and out.get("step_ms"):
+        out["draft_share"] = round(out["draft_ms"] / out["step_ms"], 4)
     out["tok_s_rounds"] = [x["tok_s"] for x in xs]
     return out
 

@@ -1,6 +1,7 @@
 """`dspark endpoint --mode MODE`: the serving engine behind the OpenAI-compatible app, on
 uvicorn. Startup loads the target (and the draft the mode needs), profiles the verify cost for
-`dspark_adaptive`, then binds; /health answers once all of that is done.
+the modes the cost model plans (`dspark_adaptive`, and with `serve.cost_model` every other
+speculative mode but `dspark_fixed`), then binds; /health answers once all of that is done.
 
 The benchmark starts its endpoints as
     python -m dspark.serve.server RESOLVED.json MODE HOST PORT TARGET_DIR DRAFTS_DIR
@@ -25,7 +26,7 @@ from dspark.decode.sampling import Sampling
 from dspark.drafts import ProposerContext, build_proposer
 from dspark.errors import ConfigError, DataError, DsparkError, ResourceError
 from dspark.serve.engine import MODES, ServeEngine, profile_verify_cost
-from dspark.serve.scheduler import AdaptiveScheduler
+from dspark.serve.scheduler import AdaptiveScheduler, cost_modelled
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Served:
     tokenizer: object
     model_name: str
     mode: str
-    cost: dict | None  # the profiled verify cost (dspark_adaptive)
+    cost: dict | None  # the profiled verify cost (the modes the cost model plans)
 
 
 def profile_counts(max_batch: int, k: int) -> tuple[int, ...]:
@@ -73,11 +74,9 @@ def build(params: Params, target_dir: Path, drafts: Path, mode: str) -> Served:
             raise ConfigError(
                 f"serve.dspark_k: {max_drafts} is above the draft's block {proposer.k}"
             )
-    if mode == "dspark_adaptive":
-        if proposer.model.confidence_head is None:
-            raise DataError(
-                f"{drafts}/dspark: dspark_adaptive needs a draft with a confidence head"
-            )
+    if mode == "dspark_adaptive" and proposer.model.confidence_head is None:
+        raise DataError(f"{drafts}/dspark: dspark_adaptive needs a draft with a confidence head")
+    if cost_modelled(mode, cfg.cost_model):
         table = profile_verify_cost(
             decoder,
             cfg.max_batch,
@@ -85,7 +84,7 @@ def build(params: Params, target_dir: Path, drafts: Path, mode: str) -> Served:
             counts=profile_counts(cfg.max_batch, proposer.k),
             repeats=cfg.profile_repeats,
         )
-        scheduler = AdaptiveScheduler(table, smoothing=cfg.smoothing)
+        scheduler = AdaptiveScheduler(table, smoothing=cfg.smoothing, decay=cfg.acceptance_decay)
         cost = {"tokens": list(table.tokens), "ms": [round(m, 3) for m in table.ms]}
     engine = ServeEngine(
         decoder,

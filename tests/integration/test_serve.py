@@ -361,6 +361,11 @@ def test_benchmark_stage(workdir, tmp_path):
         for key in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tau"):
             assert c[key] is not None and c[key] > 0, (c["mode"], key)
         assert c["tau"] >= 1.0 and 0 <= c["draft_share"] < 1
+        # A step's parts add up to it (each rounded to 0.01 ms); prefill and the rest beside.
+        parts = sum(c[f"{p}_ms"] for p in ("draft", "verify", "accept", "schedule"))
+        assert parts == pytest.approx(c["step_ms"], rel=0.01, abs=0.05), c["mode"]
+        assert c["prefill_ms"] > 0 and c["other_ms"] > -0.05
+        assert c["cost_model"] is (c["mode"] == "dspark_adaptive")
     assert all(c["tau"] == 1.0 for c in sweep if c["mode"] == "none")
     assert result["predicted_speedup_c1"] > 0
     crossover = result["crossover_concurrency"]
@@ -373,6 +378,7 @@ def test_benchmark_stage(workdir, tmp_path):
     assert {"single_stream", "adaptive_loses_nowhere", "ttft_overhead"} <= set(result["goals"])
     assert (tmp_path / "plots" / "bench.png").stat().st_size > 0
     assert "tok/s" in (tmp_path / "report.md").read_text()
+    assert "ms per engine step" in (tmp_path / "report.md").read_text()
     assert any("dspark_adaptive" in line for line in first)
 
 

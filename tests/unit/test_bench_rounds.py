@@ -7,7 +7,7 @@ import pytest
 from dspark.config import load_params
 from dspark.serve.bench import assemble
 from dspark.serve.measure import step_costs
-from dspark.serve.report import goal_lines
+from dspark.serve.report import goal_lines, table
 from dspark.serve.rounds import merge_rounds, paired_ratio, rotated, round_max, spread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,9 @@ def _cell(mode, tok_s, c=1, steps=10, draft_ms=1.0, verify_ms=9.0, **more):
         "steps": steps,
         "draft_ms": draft_ms,
         "verify_ms": verify_ms,
+        "step_ms": draft_ms + verify_ms,
         "draft_share": draft_ms / (draft_ms + verify_ms),
+        "cost_model": mode != "none",
         **more,
     }
 
@@ -56,7 +58,9 @@ def test_merged_cell_has_medians_sums_and_step_weighted_costs():
     assert (none["requests"], none["tokens"], none["steps"], none["wall_s"]) == (6, 300, 30, 4.5)
     assert dspark["draft_ms"] == pytest.approx((20 + 180 + 20) / 50)  # over all 50 steps
     assert dspark["draft_steps"] == 5  # counted over the rounds, like steps
-    assert dspark["draft_share"] == pytest.approx(4.4 / 13.4, abs=1e-4)
+    assert dspark["step_ms"] == pytest.approx(13.4)
+    assert dspark["draft_share"] == pytest.approx(4.4 / 13.4, abs=1e-4)  # of the merged step
+    assert dspark["cost_model"] is True and none["cost_model"] is False  # a flag, not a median
     assert none["itl_p50_ms"] is None and none["mode"] == "none"
 
 
@@ -143,3 +147,44 @@ def test_a_cells_step_costs_count_the_steps_that_drafted():
     assert (costs["steps"], costs["draft_steps"]) == (10, 2)
     assert (costs["draft_ms"], costs["verify_ms"]) == (20.0, 100.0)
     assert step_costs(after, after)["draft_steps"] == 0
+
+
+def test_a_cells_time_is_split_into_the_steps_parts_prefill_and_the_rest():
+    """10 steps of 2 + 10 + 1 + 0.5 ms (13.5 ms a step), 20 ms of prefill, in a cell the client
+    timed at 0.2 s: 200 - 135 - 20 = 45 ms were neither steps nor prefill (HTTP and the rest)."""
+    zero = dict.fromkeys(("draft_s", "verify_s", "accept_s", "schedule_s", "step_s"), 0.0)
+    before = {"steps": 0, "draft_steps": 0, "prefill_s": 0.0, **zero}
+    after = {
+        "steps": 10, "draft_steps": 10, "prefill_s": 0.02, "draft_s": 0.02, "verify_s": 0.1,
+        "accept_s": 0.01, "schedule_s": 0.005, "step_s": 0.135,
+    }  # fmt: skip
+    costs = step_costs(before, after, wall_s=0.2)
+    parts = [costs[k] for k in ("draft_ms", "verify_ms", "accept_ms", "schedule_ms")]
+    assert parts == [2.0, 10.0, 1.0, 0.5] and costs["step_ms"] == 13.5 == sum(parts)
+    assert (costs["prefill_ms"], costs["other_ms"]) == (2.0, 4.5)
+    assert costs["draft_share"] == pytest.approx(2.0 / 13.5, abs=1e-4)
+    assert step_costs(before, after)["other_ms"] is None  # no wall time: no remainder
+    idle = step_costs(after, after, wall_s=0.2)
+    assert idle["steps"] == 0 and idle["step_ms"] is None and idle["other_ms"] is None
+
+
+def test_the_report_prints_each_cells_step_cost_split():
+    params = load_params(
+        ROOT / "params.yaml",
+        overrides=["benchmark.modes=[none, ngram]", "benchmark.concurrency=[1]"],
+    )
+    cells = merge_rounds(
+        [[_cell("none", 10.0), _cell("ngram", 12.0, draft_ms=0.5, accept_ms=0.25, other_ms=7.0)]]
+    )
+    result = assemble(params, cells)
+    lines = table(result).splitlines()
+    head = next(i for i, x in enumerate(lines) if x.startswith("ms per engine step"))
+    assert lines[head + 1].split() == [
+        "mode", "c", "workload", "draft", "verify", "accept", "sched", "step", "prefill", "HTTP+",
+    ]  # fmt: skip
+    ngram = next(x for x in lines[head:] if x.split()[0] == "ngram").split()
+    assert ngram == ["ngram", "1", "math_reasoning", "0.5", "9", "0.25", "-", "9.5", "-", "7"]
+    end = next(i for i, x in enumerate(lines) if x.startswith("predicted"))
+    assert end == head + 5 and max(len(x) for x in lines[head:end]) <= 100  # two cells
+    # The prediction reads whole steps: tau 1 x none's 10 ms / ngram's 9.5 ms.
+    assert result["predicted_speedup_c1_by_mode"]["ngram"] == pytest.approx(10 / 9.5, abs=1e-3)

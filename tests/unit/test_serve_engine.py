@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from dspark.decode.drafters import DSparkProposer, Eagle3Proposer
+from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
 from dspark.decode.engine import SpecDecoder
 from dspark.decode.hybrid import HybridProposer
 from dspark.decode.proposers import NgramProposer, NoProposer, Proposal, Proposer
@@ -16,10 +16,12 @@ from dspark.decode.suffix import SuffixProposer
 from dspark.serve.engine import ServeEngine, profile_verify_cost
 from dspark.serve.scheduler import AdaptiveScheduler, VerifyCost
 from tests.unit.conftest import NEW
-from tests.unit.test_spec_decode import tiny_drafts
+from tests.unit.test_spec_decode import tiny_dflash, tiny_drafts
 
 FLAT = VerifyCost((1, 64), (10.0, 10.0))  # verifying more costs nothing: draft all you can
 STEEP = VerifyCost((1, 2), (10.0, 1000.0))  # every extra token costs 100x a step: never
+# A draft or two are cheap, a block dear: the plan cuts blocks short.
+MIXED = VerifyCost((1, 2, 3, 4, 8), (10.0, 11.0, 12.0, 20.0, 60.0))
 
 
 class Collector:
@@ -35,14 +37,14 @@ class Collector:
             self.done.set()
 
 
-def serve(engine, prompts, stagger=True, max_tokens=NEW):
+def serve(engine, prompts, stagger=True, max_tokens=NEW, collector=Collector):
     """Submit the prompts, each after the one before has produced a token (so later ones are
     admitted mid-decode), and wait for all."""
     engine.start()
     try:
         out = []
         for p in prompts:
-            c = Collector()
+            c = collector()
             engine.submit(p, max_tokens, c)
             out.append(c)
             while stagger and not c.tokens and not c.done.is_set():
@@ -64,17 +66,32 @@ class RowOracle(Proposer):
         self.known = [(p, p + r + [0] * 8) for p, r in zip(prompts, reference, strict=True)]
         self.vocab, self.gen = vocab, torch.Generator().manual_seed(3)
 
-    def propose(self, seq, n, active, sampling, gen, rows=slice(None)):
-        b = seq.shape[0]
-        tokens = torch.zeros(b, self.k, dtype=torch.long)
+    def continuation(self, seq, n, active):
+        """[B, k] each active row's next k reference tokens after its anchor."""
+        tokens = torch.zeros(seq.shape[0], self.k, dtype=torch.long)
         for i in torch.nonzero(active).flatten().tolist():
             full = next(f for p, f in self.known if seq[i, : len(p)].tolist() == p)
             at = int(n[i]) + 1
             tokens[i] = torch.tensor(full[at : at + self.k])
+        return tokens
+
+    def propose(self, seq, n, active, sampling, gen, rows=slice(None)):
+        b = seq.shape[0]
+        tokens = self.continuation(seq, n, active)
         noise = torch.randint(0, self.vocab, tokens.shape, generator=self.gen)
         keep = torch.rand(tokens.shape, generator=self.gen) < 0.7
         k_row = torch.randint(0, self.k + 1, (b,), generator=self.gen)
         return Proposal(torch.where(keep, tokens, noise), k_row)
+
+
+class LowHead(RowOracle):
+    """Drafts each row's reference continuation exactly (every draft is accepted), with a
+    confidence head that says 0.05 at every slot: a head biased far low."""
+
+    def propose(self, seq, n, active, sampling, gen, rows=slice(None)):
+        b = seq.shape[0]
+        tokens = self.continuation(seq, n, active)
+        return Proposal(tokens, torch.full((b,), self.k), None, torch.full((b, self.k), 0.05))
 
 
 def proposer(which, varied, prompts, reference):
@@ -84,6 +101,7 @@ def proposer(which, varied, prompts, reference):
         "ngram": lambda: NgramProposer(4, 1, 3),
         "random": lambda: RowOracle(prompts, reference, varied.vocab_size),
         "eagle3": lambda: Eagle3Proposer(*eagle),
+        "dflash": lambda: DFlashProposer(*tiny_dflash(varied)),
         "dspark_fixed": lambda: DSparkProposer(*dspark),
         "dspark_adaptive": lambda: DSparkProposer(*dspark),
         "hybrid": lambda: HybridProposer(DSparkProposer(*dspark), SuffixProposer(4)),
@@ -121,6 +139,58 @@ def test_requests_batched_as_they_come_decode_as_alone(which, llama, varied, pro
         assert engine.stats.tokens > engine.stats.row_steps + engine.stats.requests
 
 
+@pytest.mark.parametrize("cost", ["mixed", "steep"])
+@pytest.mark.parametrize(
+    "which", ["ngram", "random", "eagle3", "dflash", "dspark_adaptive", "hybrid"]
+)
+def test_the_cost_model_keeps_every_modes_greedy_output(
+    which, cost, llama, varied, prompts, reference
+):
+    """With the cost model planning every step (from measured rates, or calibrated confidences
+    where the draft has them), each request still gets exactly the target's greedy output."""
+    prop = proposer(which, varied, prompts, reference)
+    dec = SpecDecoder(llama, prop, varied.eos_token_id, max_context=2048)
+    sched = AdaptiveScheduler({"mixed": MIXED, "steep": STEEP}[cost], probe_every=2)
+    engine = ServeEngine(dec, max_batch=2, max_len=96, scheduler=sched)
+    out = serve(engine, prompts)
+    assert [c.tokens for c in out] == reference
+    assert engine.stats.requests == len(prompts)
+    # It planned and measured: some drafts were verified (at least the probes' blocks). Not
+    # for ngram: no token of these prompts and outputs repeats, so its lookup proposes nothing.
+    proposes = which != "ngram"
+    assert engine.stats.draft_steps >= 1
+    assert (float(sched.meter.tried[0]) > 0) == proposes
+    if cost == "steep" and proposes:  # no step drafts but the probes, a block each
+        assert not sched.pays and engine.stats.draft_steps < engine.stats.steps
+
+
+def test_a_head_biased_low_is_calibrated_and_the_mode_drafts(llama, varied, prompts):
+    """A head that says 0.05 where drafts are accepted: as it speaks, drafting never pays at
+    this cost; the probes measure it, and the calibrated mode verifies whole blocks."""
+    cost = VerifyCost((1, 2, 5), (10.0, 15.0, 18.0))  # one extra token +50%, four +80%
+    new = 64
+    plain = SpecDecoder(llama, NoProposer(), varied.eos_token_id, 2048)
+    reference = [t.tokens for t in plain.generate(prompts, new)[0]]
+    head = LowHead(prompts, reference, varied.vocab_size)
+    as_it_speaks = AdaptiveScheduler(cost)
+    as_it_speaks.plan(torch.full((1, head.k), 0.05))
+    assert not as_it_speaks.pays
+    sched = AdaptiveScheduler(cost)
+    engine = ServeEngine(
+        SpecDecoder(llama, head, varied.eos_token_id, 2048), 1, 128, scheduler=sched
+    )
+    out = serve(engine, prompts, stagger=False, max_tokens=new)
+    assert [c.tokens for c in out] == reference
+    assert sched.pays and sched.probes <= 3
+    # Lifted eightfold and more (not to 1: each request's last block runs past its end).
+    assert sched.meter.calibrate(torch.full((1, head.k), 0.05)).min() > 0.4
+    # Tokens after each prefill's first, per verify step: 1 for plain decoding, k+1 at most.
+    # Uncalibrated, only the probes' blocks would be verified (about 1.1 here); calibrated,
+    # after three probes over the first request, the rest verify whole blocks.
+    tau = (engine.stats.tokens - engine.stats.requests) / engine.stats.row_steps
+    assert tau > 2.0, tau
+
+
 def test_adaptive_stops_drafting_where_it_cannot_pay(llama, varied, prompts, reference):
     dspark, _ = tiny_drafts(varied)
     prop = DSparkProposer(*dspark)
@@ -130,21 +200,81 @@ def test_adaptive_stops_drafting_where_it_cannot_pay(llama, varied, prompts, ref
     requests = []
     real_plan = scheduler.plan
 
-    def plan(conf):
-        lengths = real_plan(conf)
+    def plan(conf, k_row=None):
+        lengths = real_plan(conf, k_row)
         requests.append(int(lengths.sum()))
         return lengths
 
     scheduler.plan = plan
     out = serve(engine, prompts, stagger=False)
     assert [c.tokens for c in out] == reference
-    assert set(requests) == {0}  # nothing is worth verifying at that cost
+    # Nothing is worth verifying at that cost: each drafting step is a probe, verifying one
+    # request's whole block only to go on measuring.
+    assert set(requests) == {prop.k} and scheduler.probes == len(requests)
     assert not scheduler.pays
     # Drafting only every 4th step after the first: far fewer plans than steps.
     assert len(requests) <= engine.stats.steps // 4 + 2
     assert engine.stats.draft_steps == len(requests)
     state = scheduler.state()
     assert not state["pays"] and state["probe_interval"] >= 4 and len(state["curve"]) == prop.k
+
+
+class SlowOracle(RowOracle):
+    """RowOracle taking a known time to propose."""
+
+    pause_s = 0.004
+
+    def propose(self, *args, **kwargs):
+        time.sleep(self.pause_s)
+        return super().propose(*args, **kwargs)
+
+
+class SlowClient(Collector):
+    """A request's callback taking a known time per call (the server's hand-off to HTTP)."""
+
+    pause_s, calls = 0.002, 0
+
+    def __call__(self, tokens, finish):
+        SlowClient.calls += 1
+        time.sleep(self.pause_s)
+        super().__call__(tokens, finish)
+
+
+def test_a_steps_time_is_split_into_parts_that_add_up_to_it(llama, varied, prompts, reference):
+    """Drafting, verifying, accepting (delivery included) and scheduling are timed one after
+    another: they add up to the step's wall time, and a known delay in each lands in its own."""
+    prop = SlowOracle(prompts, reference, varied.vocab_size)
+    # Flat, and dear enough beside the delays below that drafting pays every step.
+    sched = AdaptiveScheduler(VerifyCost((1, 64), (100.0, 100.0)))
+    plans, real_decide, plan_pause = [], sched.decide, 0.003
+
+    def decide(*args):
+        plans.append(1)
+        time.sleep(plan_pause)
+        return real_decide(*args)
+
+    sched.decide = decide
+    engine = ServeEngine(
+        SpecDecoder(llama, prop, varied.eos_token_id, 2048), 2, 96, scheduler=sched
+    )
+    SlowClient.calls = 0
+    out = serve(engine, prompts, collector=SlowClient)
+    assert [c.tokens for c in out] == reference
+    st = engine.stats
+    parts = st.draft_s + st.verify_s + st.accept_s + st.schedule_s
+    assert parts == pytest.approx(st.step_s, rel=0.01)  # microseconds between marks go uncounted
+    # Each known delay is in its own part and in no other.
+    steps_calls = SlowClient.calls - st.requests  # each prefill's token is delivered apart
+    assert st.draft_steps == st.steps and len(plans) > 0 and steps_calls > 0
+    assert st.draft_s >= prop.pause_s * st.draft_steps
+    assert st.schedule_s >= plan_pause * len(plans)
+    assert st.accept_s >= SlowClient.pause_s * steps_calls
+    known = prop.pause_s * st.draft_steps + plan_pause * len(plans)
+    known += SlowClient.pause_s * steps_calls
+    assert st.verify_s < st.step_s - known
+    # (Had the plan's delay been charged to drafting, it would be past this.)
+    assert st.draft_s < prop.pause_s * st.draft_steps + plan_pause * len(plans)
+    assert st.prefill_s > 0 and st.step_s > 0
 
 
 class SlowCatchUp(DSparkProposer):

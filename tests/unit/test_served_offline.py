@@ -72,6 +72,11 @@ def test_a_gap_is_judged_on_the_prompts_the_cell_served():
     assert by["dspark_fixed"]["like_for_like"] and not by["dspark_fixed"]["gap"]
     assert by["ngram"]["offline_same_prompts"] == 2.0 and by["ngram"]["gap"]  # 1.5 vs 2.0
     assert by["dspark_adaptive"]["gap"] and by["dspark_adaptive"]["expected"]
+    assert "expected" not in by["ngram"]  # verifying every draft, a gap is a defect
+    # Planned by the cost model (its server said so), ngram too verifies fewer by design.
+    planned = {**cells[1], "cost_model": True}
+    (row,) = served_vs_offline([planned], doc, "math_reasoning", None, 64)
+    assert row["gap"] and row["expected"] == "the cost model verifies fewer drafts"
     lines = "\n".join(served_lines(list(by.values())))
     assert "| ngram | math_reasoning | 1 | 1.5 | 2.0 | 2.0 [2.0, 2.0] | differs" in lines
     other = served_vs_offline(cells, doc, "math_reasoning", None, 128)
