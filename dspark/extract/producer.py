@@ -63,6 +63,11 @@ class ProducerConfig:
         path.write_text(json.dumps(asdict(self)))
 
 
+# This process's decode steps, which every session's heartbeat reports (a one-item list: the
+# sessions' heartbeat threads read what the main loop writes; an int read is atomic).
+DECODE_STEPS = [0]
+
+
 class CoordinatorUnreachable(RuntimeError):
     pass
 
@@ -164,7 +169,9 @@ class Session:
 
     def _beat(self) -> None:
         while not self.finished.wait(self.cfg.heartbeat_s):
-            self.send({"type": "heartbeat"})
+            # The decode steps so far: a consumer waiting minutes for a row's answer can tell
+            # a producer at work from one that is stuck.
+            self.send({"type": "heartbeat", "progress": DECODE_STEPS[0]})
 
 
 def serve(cfg: ProducerConfig) -> int:
@@ -310,6 +317,7 @@ class Answering:
                 ready.append((item, functools.partial(_raise, f"sample {sid}: {e}")))
         dec.drop(lambda key: out.current(key[0], key[1]))  # a consumer that restarted or ended
         if dec.busy:
+            DECODE_STEPS[0] += 1
             for a in dec.step():
                 ready.append((a.key, functools.partial(self._package, a)))
         return ready

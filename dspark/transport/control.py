@@ -2,7 +2,7 @@
 
 The consumer (one per trainer rank) runs the coordinator; producers connect to it.
 
-    producer -> coordinator   hello {producer, run_id}  ready {manifest}      heartbeat
+    producer -> coordinator   hello {producer, run_id}  ready {manifest}      heartbeat {progress}
                               failed {sample_id, error}
     coordinator -> producer   assign {sample_ids}       ack {sample_id}       done {why?}
 
@@ -84,6 +84,8 @@ class _Peer:
     last_seen: float = field(default_factory=time.monotonic)
     outstanding: set[int] = field(default_factory=set)  # assigned, not yet fetched
     alive: bool = True
+    progress: int = 0  # the decode steps its heartbeats last reported
+    progressed_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -194,7 +196,10 @@ class Coordinator:
                 if peer is None or not peer.alive:
                     break
                 peer.last_seen = time.monotonic()
+                if kind == "heartbeat" and msg.get("progress", peer.progress) != peer.progress:
+                    peer.progress, peer.progressed_at = msg["progress"], peer.last_seen
                 if kind == "ready":
+                    peer.progressed_at = peer.last_seen
                     self._on_ready(peer, msg["manifest"])
                 elif kind == "failed":
                     self._error = f"producer {peer.name}: sample {msg['sample_id']}: {msg['error']}"
@@ -323,6 +328,13 @@ class Coordinator:
             self._done.add(sid)
             self.stats.delivered += 1
             self._schedule()
+
+    def last_progress(self) -> float | None:
+        """When a connected producer last got on with its work (a decode step in a heartbeat,
+        or a sample ready), on time.monotonic's clock; None with no producer connected."""
+        with self._cv:
+            times = [p.progressed_at for p in self._peers.values() if p.alive]
+        return max(times) if times else None
 
     def live_producers(self) -> int:
         with self._cv:

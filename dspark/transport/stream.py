@@ -32,7 +32,6 @@ class StreamConsumer:
         self.fetch_timeout = fetch_timeout
         self.idle_timeout = idle_timeout
         self.fetch_batch = fetch_batch
-        self.fetch_batch = fetch_batch
         self.consumed: list[int] = []
         self.wait_s = 0.0
         self.bytes_received = 0
@@ -45,10 +44,14 @@ class StreamConsumer:
             while sid not in buffer:
                 taken = self.coordinator.take_ready(timeout=1.0, limit=self.fetch_batch)
                 if not taken:
-                    if time.monotonic() - idle_since > self.idle_timeout:
+                    # A producer that is decoding (its heartbeats say so) is slow, not stuck: a
+                    # starved one answered no row for 10 minutes in a study's extraction.
+                    busy = self.coordinator.last_progress() or idle_since
+                    if time.monotonic() - max(idle_since, busy) > self.idle_timeout:
                         raise TransportError(
-                            f"stream: nothing received for {self.idle_timeout:g} s "
-                            f"({self.coordinator.live_producers()} producers connected)"
+                            f"stream: nothing received for {self.idle_timeout:g} s, and no "
+                            f"producer decoding ({self.coordinator.live_producers()} "
+                            "producers connected)"
                         )
                     continue
                 idle_since = time.monotonic()

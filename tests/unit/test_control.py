@@ -2,8 +2,10 @@
 
 import json
 import socket
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -231,4 +233,36 @@ def test_a_replaced_connection_that_never_closes_holds_no_work():
         assert coordinator.live_producers() == 1 and coordinator.stats.producers_lost == 1
         old.sock.close()
     finally:
+        coordinator.close()
+
+
+def test_a_producer_that_keeps_decoding_keeps_the_stream_waiting():
+    """Nothing ready for longer than the idle timeout, but heartbeats that report decode steps:
+    the consumer waits. Once the steps stop, it fails within the timeout, naming the wait."""
+    from dspark.transport.stores import FileStore, TransportError
+    from dspark.transport.stream import StreamConsumer
+
+    coordinator = Coordinator([0], max_in_flight=1, heartbeat_timeout=60)
+    stop = threading.Event()
+    try:
+        slow = FakeProducer(coordinator.address, "slow")
+
+        def beat():
+            step = 0
+            while not stop.wait(0.1):
+                step += 1 if time.monotonic() < decoding_until else 0
+                slow.send({"type": "heartbeat", "progress": step})
+
+        decoding_until = time.monotonic() + 2.0
+        threading.Thread(target=beat, daemon=True).start()
+        consumer = StreamConsumer(
+            coordinator, FileStore(Path(tempfile.mkdtemp())), idle_timeout=0.8
+        )
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=r"nothing received for 0\.8 s, and no producer"):
+            next(iter(consumer))
+        waited = time.monotonic() - t0
+        assert 2.0 < waited < 60  # past the timeout while it decoded; failed once it stopped
+    finally:
+        stop.set()
         coordinator.close()
