@@ -7,6 +7,8 @@ SPEC_VENV ?= .venv-speculators
 SPEC_STAMP := $(SPEC_VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
 PROFILE ?= default
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # A fresh machine's first temporary Prefect server builds its database first: Prefect's
@@ -18,7 +20,8 @@ export HF_DATASETS_OFFLINE ?= 1
 # unpacking) and the apt package. One make schedules them all, so no two jobs write one venv.
 MAKEFLAGS += -j3
 
-.PHONY: setup run test test-fast check-results lint system-deps clean-env speculators-venv vllm-venv
+.PHONY: setup run test test-fast test-llamacpp check-results lint system-deps clean-env \
+  speculators-venv vllm-venv llamacpp-venv
 
 setup: system-deps $(STAMP)
 
@@ -76,8 +79,36 @@ $(VLLM_STAMP): requirements/vllm.txt requirements/torch.txt
 	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/python -c "$(CPU_TORCH); import vllm.entrypoints.openai.api_server"
 	touch $(VLLM_STAMP)
 
+# llama-cpp-python 0.3.36 (llama.cpp's Python binding and its OpenAI server) in its own venv: the
+# benchmark's peer, modes `llamacpp` and `llamacpp_lookup` (docs/serving.md). The registry has it
+# as source only, so pip compiles llama.cpp: 9.6 CPU-minutes (538 s user, 38 s system), 22 minutes
+# of wall time on 2 cores shared with other work (2026-12-07). Too long for CI, so `make test`
+# does not build it and its tests run in `make test-llamacpp`; `make run` does. The flags
+# are portable AVX2 (GGML_NATIVE=OFF): a native build crashed in decode on an AVX-512 machine,
+# and these run on both kinds seen (AVX2 only; AVX-512 with AMX). No multimodal library
+# (LLAVA_BUILD=OFF): llama_cpp imports it only for image chat formats. cmake and ninja are the
+# machine's (scikit-build-core takes them from PyPI where a machine lacks them), so no apt
+# package. --no-cache-dir: pip would otherwise reuse a wheel it built with other flags.
+LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+  -DGGML_F16C=ON -DGGML_AVX512=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAVA_BUILD=OFF
+LLAMACPP_CHECK := import llama_cpp, llama_cpp.server.app; \
+  info = llama_cpp.llama_print_system_info().decode(); \
+  assert 'AVX2 = 1' in info and 'AVX512 = 1' not in info, info
+
+llamacpp-venv: $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP): requirements/llamacpp.txt
+	python3 -m venv $(LLAMACPP_VENV)
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	  $(LLAMACPP_VENV)/bin/pip install -q --disable-pip-version-check --no-cache-dir \
+	  -r requirements/llamacpp.txt
+	$(LLAMACPP_VENV)/bin/python -c "$(LLAMACPP_CHECK)"
+	touch $(LLAMACPP_STAMP)
+
 # The main job: flow `dspark` on the default profile, stage by stage through DVC, tracked in MLflow.
-run: setup
+# Its benchmark serves llama.cpp beside our modes, so the first run builds that venv too.
+run: setup llamacpp-venv
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m flows.full --profile $(PROFILE)
 
 lint: setup
@@ -89,9 +120,16 @@ lint: setup
 # first, which left the whole-chain test (minutes, two tests) to start last and run alone.
 TEST_WORKERS ?= 2
 
+# The llama.cpp tests (marker `llamacpp`) are deselected here, not skipped: their venv takes
+# longer to build than CI can spare. `make test-llamacpp` builds it and runs them.
 test: lint speculators-venv vllm-venv check-results
 	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile \
-	  --no-loadscope-reorder --ignore=tests/results; rc=$$?; \
+	  --no-loadscope-reorder --ignore=tests/results -m "not llamacpp"; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+# The slow tier: the tests that serve llama.cpp (the benchmark's peer), after building its venv.
+test-llamacpp: setup llamacpp-venv
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -m llamacpp tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 # The committed results (metrics/, metrics/full/) hold together: checked apart from the code's
@@ -103,7 +141,7 @@ check-results: setup
 # same two workers; `make test` stays what CI runs.
 test-fast: setup
 	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile \
-	  -m "not slow and not e2e and not vllm" tests/unit
+	  -m "not slow and not e2e and not vllm and not llamacpp" tests/unit
 
 clean-env:
-	rm -rf $(VENV) $(SPEC_VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(SPEC_VENV) $(VLLM_VENV) $(LLAMACPP_VENV)

@@ -645,9 +645,12 @@ class ServeConfig(Section):
 
 
 # none_vllm: vLLM's own server (`make vllm-venv`) on the target alone, a reference for `none`.
+# llamacpp, llamacpp_lookup: the peer, llama.cpp on the same fp32 weights (`make llamacpp-venv`),
+# plain and with its prompt lookup (dspark/serve/llamacpp_mode.py).
 Mode = Literal[
-    "none", "ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive", "hybrid", "none_vllm"
-]
+    "none", "ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive", "hybrid", "none_vllm",
+    "llamacpp", "llamacpp_lookup",
+]  # fmt: skip
 
 
 class BenchmarkGoals(Section):
@@ -670,7 +673,9 @@ class BenchmarkConfig(Section):
         ["none", "ngram", "eagle3", "dspark_fixed", "dspark_adaptive"],
         min_length=1,
         description="served modes; none_vllm (opt-in: needs `make vllm-venv`, ~1 min to start) "
-        "adds vLLM's server on the target alone",
+        "adds vLLM's server on the target alone; llamacpp and llamacpp_lookup (need `make "
+        "llamacpp-venv` and a pkg: target) add llama.cpp on the same weights, plain and with "
+        "its prompt lookup, and bench.json's `vs_llamacpp` ratios",
     )
     concurrency: list[PosInt] = Field([1, 2, 4, 8, 16], min_length=1)
     workload: Category | Literal["mix"] = Field(
@@ -689,6 +694,11 @@ class BenchmarkConfig(Section):
         (32, 512), description="the band of prompt lengths (chat template included) used"
     )
     warmup_requests: NonNegInt = Field(2, description="per mode, before the cells; not counted")
+    llamacpp_lookup_k: PosInt = Field(
+        2,
+        description="llamacpp_lookup: tokens llama.cpp's prompt lookup drafts a step (its "
+        "server's default is 10; 2 paid on math word problems where 10 lost, issue 49)",
+    )
     hf_baseline: bool = Field(
         True, description="also time transformers' static-cache generate at concurrency 1"
     )
@@ -775,6 +785,18 @@ class Params(Section):
                     f"{field}: {name} needs the {draft} draft{chosen}, which train.drafts "
                     f"({', '.join(trained)}) does not train"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _peer_has_its_weights(self) -> Params:
+        """llama.cpp reads the target as a GGUF: only a target made from a packaged one has it
+        (dspark.engines.llamacpp.f32_gguf), found here and not when the benchmark starts."""
+        peer = [m for m in self.benchmark.modes if m.startswith("llamacpp")]
+        if peer and not self.target.model.startswith("pkg:"):
+            raise ValueError(
+                f"benchmark.modes: {peer[0]} needs a target made from a packaged GGUF "
+                f"(target.model: pkg:<package>), not {self.target.model!r}"
+            )
         return self
 
     def stream_credits(self, samples: int) -> tuple[int, int | None]:

@@ -30,7 +30,9 @@ commit would be a column of its own); the run.json beside them says which run th
     tau            method    eval.json     mean tau of the nine categories
     dspark_over    method    eval.json     DSpark's mean tau over the method's, on the same prompts
     speedup        method    bench.json    single-stream tok/s over `none`'s (HTTP, c=1); a
-                                           method served in several modes shows its best
+                                           method served in several modes shows its best;
+                                           llama.cpp, the peer, is no method of ours (its
+                                           ratios: bench.json `vs_llamacpp`)
     tau_decode     draft     train.json    held-out tau as greedy decoding walks it
     train_tok_s    draft     train.json    the trainer's tokens/s
     data_tok_s     target    extract.json  tokens/s the data plane delivered (the target answering
@@ -52,6 +54,9 @@ FILES = {
     "extract": "extract.json",
 }
 BASELINE_MODE = "none"  # the plain target: tau and speedup 1 by definition, so not headlines
+# The peer engine's modes (dspark.serve.llamacpp_mode.MODES): no column of the table, which has
+# one per method of ours and fits 100 columns with no more.
+PEER_MODES = ("llamacpp", "llamacpp_lookup")
 HELD_OUT = (  # train.json's per-draft held-out figures, each a summary line where present
     ("tau_sim", "held-out tau_sim after training"),
     ("tau_greedy", "held-out greedy tau after training"),
@@ -196,7 +201,7 @@ def table(docs: dict[str, dict]) -> dict[str, dict[str, float | int]]:
     for mode, row in (bench.get("overall") or {}).items():
         method = mode.split("_", 1)[0]  # dspark_fixed, dspark_adaptive: DSpark's modes
         speedup = row.get("speedup_c1") if isinstance(row, dict) else None
-        if method != BASELINE_MODE and _number(speedup):
+        if method != BASELINE_MODE and mode not in PEER_MODES and _number(speedup):
             rows["speedup"][method] = round(max(speedup, rows["speedup"].get(method, speedup)), 3)
     for draft, block in train.items():
         if isinstance(block, dict) and _number(block.get("tau_decode")):

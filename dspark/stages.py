@@ -399,6 +399,8 @@ STAGES: tuple[Stage, ...] = (
             "dspark_adaptive",
             "hybrid",
             "none_vllm",
+            "llamacpp",
+            "llamacpp_lookup",
         ),
     ),
 )

@@ -11,7 +11,8 @@ sample the process a mode happens to run in, not one process's luck. Around each
 server's step counters are read, so each cell knows its steps and where a step's time went
 (drafting, verification, accepting, scheduling) and how much of the client's time was not in
 steps at all (prefill, HTTP and the rest). Mode `none_vllm` (opt-in) serves vLLM's own server
-instead of ours: see `vllm_mode.py`.
+instead of ours: see `vllm_mode.py`. Modes `llamacpp` and `llamacpp_lookup` serve the peer,
+llama.cpp on the same weights, and `vs_llamacpp` sets ours against it: see `llamacpp_mode.py`.
 
     endpoints.py  a mode's `dspark endpoint` process
     workload.py   the requests and the cells
@@ -30,6 +31,7 @@ from dspark.config import BenchmarkConfig, Params
 from dspark.progress import say
 from dspark.records import Records, fingerprint
 from dspark.serve import report
+from dspark.serve.llamacpp_mode import ratios as llamacpp_ratios
 from dspark.serve.measure import hf_baseline, measure
 from dspark.serve.offline import served_vs_offline
 from dspark.serve.rounds import paired_ratio, per_round, round_max, spread
@@ -190,6 +192,7 @@ def assemble(params: Params, cells: list[dict]) -> dict:
         "predicted_speedup_c1_by_mode": predicted,
         "crossover_concurrency": crossover,
         "goals": goals(cfg, cells, conc, rounds, baseline, best, predicted),
+        "vs_llamacpp": llamacpp_ratios(cells, ("none", *SPECULATIVE)),
     }
 
 

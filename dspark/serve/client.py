@@ -10,9 +10,22 @@ server's interpreter:
 cycling. Each asks for the token ids of every chunk (`return_token_ids`, which vLLM needs and our
 endpoint always does) and the usage (`stream_options`: vLLM then sends it in a last chunk with
 no choices). `--temperature`/`--top-p` go in every request: vLLM samples per request (default
-temperature 1), our endpoint refuses values other than its own. The output has one record per
-request (arrival times of every streamed chunk and the tokens in it) and the cell's wall time;
-`summarize` turns that into the benchmark's figures.
+temperature 1), our endpoint refuses values other than its own. `--extra` adds fields to every
+request (a server's own sampling defaults turned off), `--prompt-text` sends each request's
+`text` (its prompt decoded) for a server that takes no token ids (llama.cpp's). The output has
+one record per request (arrival times of every streamed chunk and the tokens in it) and the
+cell's wall time; `summarize` turns that into the benchmark's figures.
+
+Counting tokens. Our endpoint and vLLM name the token ids of every chunk. llama.cpp's server
+(llama-cpp-python) names none and sends no usage: it streams a chunk per generated token, except
+that tokens which only together make a character (a multi-byte character split over byte
+tokens) go out as one chunk, and it does not stream the EOS. So, for a stream without ids
+(`untokenized_count`): a chunk is one token; a finish `stop` (only the EOS ends a completion
+there: no stop sequences are sent) adds the EOS, as our endpoint streams and counts it; a finish
+`length` counts max_tokens, what was asked and what our engine generates, so a shortfall (tokens
+sent together as one character) is added at that last arrival. Two counts are not exact: a
+completion ending in EOS with such characters counts short, and where the cap falls inside such
+a character llama.cpp generates up to 3 tokens more to finish it, which are not counted.
 """
 
 from __future__ import annotations
@@ -38,9 +51,10 @@ async def one_request(
     max_tokens: int,
     model: str | None,
     sampling: dict | None = None,
+    prompt_text: bool = False,
 ) -> dict:
     body = {
-        "prompt": req["prompt"],
+        "prompt": req["text"] if prompt_text else req["prompt"],
         "max_tokens": max_tokens,
         "stream": True,
         "return_token_ids": True,
@@ -70,7 +84,11 @@ async def one_request(
                     continue
                 choice = doc["choices"][0]
                 ids = choice.get("token_ids")
-                n = 1 if ids is None else len(ids)  # a server without token ids: one a chunk
+                if ids is None:  # a server that names no tokens: llama.cpp's
+                    counted = sum(n for _, n in rec["chunks"])
+                    n = untokenized_count(choice.get("finish_reason"), counted, max_tokens)
+                else:
+                    n = len(ids)
                 if n:  # a chunk of no token (a finish reason alone) is no arrival
                     rec["chunks"].append([t, n])
                 rec["tokens"].extend(ids or [])
@@ -82,6 +100,18 @@ async def one_request(
         rec["error"] = f"{type(e).__name__}: {e}"
     rec["latency_s"] = time.perf_counter() - t0
     return rec
+
+
+def untokenized_count(finish: str | None, counted: int, max_tokens: int) -> int:
+    """Tokens in a chunk of a stream that names none (llama.cpp's), given the finish reason
+    the chunk carries and the tokens counted before it (module docstring, Counting tokens)."""
+    if finish is None:
+        return 1
+    if finish == "stop":
+        return 1  # the EOS, generated and not streamed
+    if finish == "length":  # max_tokens: tokens streamed together as one character are owed
+        return max(0, max_tokens - counted)
+    return 0
 
 
 async def _events(response: httpx.Response, t0: float):
@@ -109,6 +139,7 @@ async def closed_loop(
     max_tokens: int,
     model: str | None = None,
     sampling: dict | None = None,
+    prompt_text: bool = False,
 ) -> dict:
     issued = 0
     records: list[dict] = []
@@ -119,7 +150,9 @@ async def closed_loop(
         while issued < max_requests and time.perf_counter() - start < max_seconds:
             req = requests[issued % len(requests)]
             issued += 1
-            records.append(await one_request(client, url, req, max_tokens, model, sampling))
+            records.append(
+                await one_request(client, url, req, max_tokens, model, sampling, prompt_text)
+            )
 
     limits = httpx.Limits(max_connections=concurrency + 1)
     timeout = httpx.Timeout(None, connect=10.0)
@@ -203,12 +236,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--temperature", type=float, default=None, help="sent in every request")
     ap.add_argument("--top-p", type=float, default=None, help="sent in every request")
+    ap.add_argument("--extra", type=json.loads, default=None, help="JSON fields for every request")
+    ap.add_argument(
+        "--prompt-text", action="store_true", help="send each request's `text`, not its token ids"
+    )
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
     try:
         requests = json.loads(args.requests.read_text())
         if not requests or not all("prompt" in r and "id" in r for r in requests):
             raise ValueError("need a non-empty list of {id, prompt}")
+        if args.prompt_text and not all(isinstance(r.get("text"), str) for r in requests):
+            raise ValueError("--prompt-text: every request needs a `text`")
     except (OSError, ValueError) as e:
         print(f"error: {args.requests}: {e}", file=sys.stderr)
         return 2
@@ -228,10 +267,14 @@ def main(argv: list[str] | None = None) -> int:
             args.max_tokens,
             args.model,
             {
-                k: v
-                for k, v in (("temperature", args.temperature), ("top_p", args.top_p))
-                if v is not None
+                **(args.extra or {}),
+                **{
+                    k: v
+                    for k, v in (("temperature", args.temperature), ("top_p", args.top_p))
+                    if v is not None
+                },
             },
+            args.prompt_text,
         )
     )
     write_json(args.out, cell)

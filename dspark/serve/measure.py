@@ -20,6 +20,8 @@ from dspark.progress import bar
 from dspark.records import Records
 from dspark.serve.client import summarize
 from dspark.serve.endpoints import EndpointProcess
+from dspark.serve.llamacpp_mode import MODES as LLAMACPP_MODES
+from dspark.serve.llamacpp_mode import LlamacppEndpoint
 from dspark.serve.rounds import merge_rounds, rotated
 from dspark.serve.scheduler import cost_modelled
 from dspark.serve.vllm_mode import MODE as VLLM_MODE
@@ -32,7 +34,8 @@ def run_client(
 ):
     """One cell through the load client process -> its raw records."""
     reqs, out = tmp / "requests.json", tmp / "cell.json"
-    write_json(reqs, [{"id": r["id"], "prompt": r["prompt"]} for r in requests])
+    keep = ("id", "prompt", "text")  # text: for a server that takes no token ids (llama.cpp)
+    write_json(reqs, [{k: r[k] for k in keep if k in r} for r in requests])
     argv = [sys.executable, "-m", "dspark.serve.client", "--url", url, "--requests", str(reqs)]
     argv += ["--concurrency", str(concurrency), "--max-requests", str(count)]
     argv += ["--max-seconds", str(cfg.max_seconds), "--max-tokens", str(cfg.max_tokens)]
@@ -153,6 +156,8 @@ def endpoints_up(
                 log_file = logs / f"{mode}{suffix}.log"
                 if mode == VLLM_MODE:
                     ep = VllmEndpoint(params, target, root, host, log_file)
+                elif mode in LLAMACPP_MODES:
+                    ep = LlamacppEndpoint(mode, params, target, root, host, log_file)
                 else:
                     ep = EndpointProcess(
                         mode, host, free_port(host), root, log_file, resolved, target, drafts

@@ -74,7 +74,24 @@ def table(result: dict) -> str:
         f"fixed-k stops paying at concurrency {result['crossover_concurrency']}"
     )
     lines.extend(goal_lines(result["goals"]))
+    lines.extend(peer_lines(result.get("vs_llamacpp") or []))
     return "\n".join(lines)
+
+
+def peer_lines(rows: list[dict]) -> list[str]:
+    """bench.json's `vs_llamacpp`: ours over llama.cpp plain on the same weights, per cell."""
+    if not rows:
+        return []
+    out = ["", "over llama.cpp plain, same weights (medians of same-round ratios):"]
+    head = f"{'c':>3} {'workload':>15} {'llama.cpp':>9} {'none':>6} {'best mode':>16} "
+    out.append(head + f"{'best':>6} {'lookup':>7}")
+    for r in rows:
+        out.append(
+            f"{r['concurrency']:>3} {r['workload']:>15} {_fmt('tok_s', r['llamacpp_tok_s']):>9} "
+            f"{_fmt('', r['none_over_llamacpp']):>6} {_fmt('', r['best_mode']):>16} "
+            f"{_fmt('', r['best_over_llamacpp']):>6} {_fmt('', r['lookup_over_plain']):>7}"
+        )
+    return out
 
 
 def goal_lines(g: dict) -> list[str]:

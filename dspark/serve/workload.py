@@ -11,16 +11,22 @@ from dspark.errors import DataError
 
 
 def build_requests(params: Params, target, prompts_file: Path) -> dict[str, list[dict]]:
-    """Workload name -> requests {id, category, prompt: token ids} with prompt lengths in the
-    band. `mix` interleaves the categories, so any prefix of it is mixed."""
+    """Workload name -> requests {id, category, prompt: token ids, text: those ids decoded, for
+    a server that takes text only} with prompt lengths in the band. `mix` interleaves the
+    categories, so any prefix of it is mixed."""
     cfg = params.benchmark
     lo, hi = cfg.prompt_tokens
     by_cat: dict[str, list[dict]] = {}
     for p in read_prompt_file(prompts_file):
         ids = target.chat_ids(list(p.messages))
         if lo <= len(ids) <= hi:
+            # Byte-level BPE decodes exactly: the text tokenizes back to these ids (llama.cpp's
+            # tokenizer too: tests/integration/test_llamacpp.py).
+            text = target.tokenizer.decode(
+                ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
             by_cat.setdefault(p.category, []).append(
-                {"id": p.id, "category": p.category, "prompt": ids}
+                {"id": p.id, "category": p.category, "prompt": ids, "text": text}
             )
     names = {cfg.workload} | ({"mix"} if cfg.mixed_concurrency else set())
     out = {}

@@ -22,6 +22,8 @@ DOCS = {
         "overall": {
             "none": {"speedup_c1": 1.0},
             "none_vllm": {"speedup_c1": 1.4},
+            "llamacpp": {"speedup_c1": 1.6},  # the peer: no column
+            "llamacpp_lookup": {"speedup_c1": 1.9},
             "ngram": {"speedup_c1": 0.975},
             "dspark_fixed": {"speedup_c1": 0.831},
             "dspark_adaptive": {"speedup_c1": 0.9752},
@@ -47,6 +49,13 @@ def test_a_row_per_figure_and_a_column_per_method():
         "data_tok_s": {DATA_COLUMN: 324},
     }
     assert table({}) == {}
+
+
+def test_the_peers_modes_are_named_as_the_benchmark_names_them():
+    from dspark.headline import PEER_MODES
+    from dspark.serve.llamacpp_mode import MODES
+
+    assert PEER_MODES == MODES
 
 
 def test_the_table_is_written_a_file_a_row_and_a_missing_row_loses_its_file(tmp_path):

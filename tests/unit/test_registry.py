@@ -228,9 +228,11 @@ def test_every_mode_is_served_benchmarked_and_compared_offline():
     comparison's are one list: a mode added to one and not the others fails here."""
     from dspark.serve.bench import SPECULATIVE
     from dspark.serve.engine import MODES
+    from dspark.serve.llamacpp_mode import MODES as PEER_MODES
     from dspark.serve.offline import OFFLINE_METHOD
 
     (choice,) = get_args(BenchmarkConfig.model_fields["modes"].annotation)
-    assert set(get_args(choice)) == {*MODES, "none_vllm"}  # vLLM's server is no engine mode
+    # vLLM's server and llama.cpp's (the peer) are no engine modes
+    assert set(get_args(choice)) == {*MODES, "none_vllm", *PEER_MODES}
     assert set(SPECULATIVE) == set(MODES) - {"none"} == set(OFFLINE_METHOD)
     assert set(OFFLINE_METHOD.values()) <= set(METHODS.names())
