@@ -171,8 +171,7 @@ class TargetLayer(nn.Module):
     """One decoder layer of the target, its projections fused as the engine runs them: q, k
     and v in one matrix, gate and up in another. A fused multiply's outputs are the same bits
     as the separate ones (MKL reduces each output column alone: checked here at 1 to 64 rows,
-    AVX-512 with AMX); what it saves is the
-    calls, which dominate a pass of a few tokens."""
+    AVX-512 with AMX); what it saves is the calls, which dominate a pass of a few tokens."""
 
     def __init__(self, s: LayerShape):
         super().__init__()
