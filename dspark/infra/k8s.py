@@ -165,6 +165,9 @@ def pod_params(c: Ctx) -> dict:
     tree["train"]["world_size"] = world
     tree["train"]["device"] = "cuda" if c.spec.training_nodes[0].gpus else "cpu"
     tree["extract"]["consumers"] = world
+    # The llama.cpp peer runs the packaged GGUF target on CPU: a cluster's mounted model has none.
+    modes = tree["benchmark"]["modes"]
+    tree["benchmark"]["modes"] = [m for m in modes if not m.startswith("llamacpp")]
     build(tree, f"spec {c.spec.name} (the pods' params)")  # e.g. fewer batch rows than ranks
     return {**tree, "profiles": {tree["profile"]: {}}}  # the layout load_params reads
 
