@@ -11,6 +11,8 @@ proposer is written for:
                                 (the output of decoder layer i) is id i+1
     sample_from_anchor          true: every slot of a block drafts (block_size tokens per step);
                                 false: slot 0 holds the verified token (block_size - 1)
+    sliding_window_non_causal   true for our bidirectional block (vLLM reads it as the causality
+                                of every layer: vllm_non_causal)
     t2d / d2t                   bool mask over the target vocabulary / int64 offsets with
                                 target_id = draft_index + d2t[draft_index]; only when reduced
     lm_head.weight              the target's rows, saved only when the vocabulary is reduced
@@ -110,7 +112,7 @@ def speculators_config(
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layers],
         "mask_token_id": cfg.mask_token_id,
-        "sliding_window_non_causal": False,
+        "sliding_window_non_causal": vllm_non_causal(cfg),
         "sample_from_anchor": cfg.sample_from_anchor,
         **heads,
         "transformer_layer_config": layer_cfg,
@@ -132,6 +134,19 @@ def speculators_config(
         },
         **({DSPARK_KEY: ours} if (ours := own_metadata(cfg, verifier_local_path)) else {}),
     }
+
+
+def vllm_non_causal(cfg: DSparkConfig) -> bool:
+    """`sliding_window_non_causal` for a draft of `cfg`: true unless its block is causal.
+
+    speculators 0.9.0 reads the field for sliding-window layers only (full-attention layers,
+    ours, are bidirectional whatever it says), but vLLM 0.32 makes it the causality of every
+    DFlash layer (transformers_utils/configs/speculators/algos.py, update_dflash:
+    `dflash_config["causal"] = not sliding_window_non_causal`). speculators' own default,
+    false, thus has vLLM run a bidirectional block causally, which its CPU server was measured
+    to do (docs/export.md). True means the same to speculators and the truth to vLLM; a block
+    trained causal (the `block_attention` lever) says false, so vLLM runs it as trained."""
+    return cfg.block_attention != "causal"
 
 
 def own_metadata(cfg: DSparkConfig, verifier_local_path: str | None) -> dict:

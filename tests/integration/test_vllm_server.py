@@ -107,6 +107,42 @@ def test_argv_and_env(target_dir, fake_venv, monkeypatch):
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "PYTHONPATH" not in env
 
 
+def test_a_draft_goes_to_vllm_as_its_speculative_config(target_dir, fake_venv):
+    spec = {"method": "dflash", "model": "/exports/dflash", "num_speculative_tokens": 7}
+    argv = VllmServer(target_dir, venv=fake_venv, speculative=spec).argv("/models/t")
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == spec
+    assert "--speculative-config" not in VllmServer(target_dir, venv=fake_venv).argv("/m")
+
+
+# vLLM 0.32's /metrics page as prometheus_client writes its spec-decode counters (HELP and TYPE
+# lines, a `_created` gauge beside each counter), with a second engine's positions to sum.
+METRICS = """\
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 10.0
+vllm:spec_decode_num_drafts_created{engine="0",model_name="target"} 1.7966690775104392e+09
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="target"} 30.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="target"} 12.0
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="0"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="1"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="target",position="1"} 1.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="2"} 3.0
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",position="0"} 1.7e+09
+vllm:num_requests_running{engine="0",model_name="target"} 0.0
+"""
+
+
+def test_spec_decode_counters_are_read_from_vllms_metrics_page():
+    c = vllm_server.parse_spec_decode(METRICS)
+    assert (c.drafts, c.draft_tokens, c.accepted_tokens) == (10, 30, 12)
+    assert c.accepted_per_pos == (5, 4, 3)  # position 1 summed over both engines
+    assert c.per_position == [0.5, 0.4, 0.3] and c.mean_acceptance_length == 2.2
+    without = "\n".join(line for line in METRICS.splitlines() if "num_drafts" not in line)
+    with pytest.raises(VllmError, match=r"no vllm:spec_decode_num_drafts \(is a draft"):
+        vllm_server.parse_spec_decode(without)
+
+
 def test_model_source_follows_the_manifest(tmp_path):
     folder = tmp_path / "t"
     folder.mkdir()

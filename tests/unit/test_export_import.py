@@ -176,3 +176,32 @@ def test_a_dflash_config_refuses_heads():
         tiny_config(DFlashConfig, markov_rank=8)
     with pytest.raises(ValueError, match="no Markov or confidence head"):
         tiny_config(DFlashConfig, confidence_head=True)
+
+
+def vllm_runs_causal(doc: dict) -> bool:
+    """vLLM 0.32's reading of a speculators DFlash config.json (its transformers_utils/configs/
+    speculators/algos.py, update_dflash): every draft layer is causal unless
+    `sliding_window_non_causal` is true, and an omitted key reads as true."""
+    return not doc.get("sliding_window_non_causal", True)
+
+
+@pytest.mark.parametrize("block_attention", ["bidirectional", "causal"])
+@pytest.mark.parametrize("cls", [DSparkConfig, DFlashConfig])
+def test_vllm_reads_the_blocks_attention_as_trained(tmp_path, cls, block_attention):
+    """An export that said `sliding_window_non_causal: false` was served causally by vLLM 0.32
+    though our block is bidirectional: its acceptance was our engine's with the block run causal
+    (docs/export.md). speculators reads the field for sliding-window layers only, so true says
+    nothing new to it, and the import keeps taking the block's attention from our extensions."""
+    torch.manual_seed(0)
+    embed = nn.Embedding(VOCAB, SHAPE.hidden_size)
+    cfg = tiny_config(cls, block_attention=block_attention)
+    model = (DSparkDraft if cls is DSparkConfig else DFlashDraft)(
+        cfg, embed, torch.randn(DRAFT_VOCAB, SHAPE.hidden_size)
+    )
+    out = tmp_path / "export"
+    ids = torch.arange(DRAFT_VOCAB) * 2
+    doc = export_speculators(model, ids, out, verifier_config=VERIFIER, verifier_path="verifier")
+    assert vllm_runs_causal(doc) is (block_attention == "causal")
+    assert set(doc["transformer_layer_config"]["layer_types"]) == {"full_attention"}
+    back, _ = import_speculators(out, embed, nn.Linear(SHAPE.hidden_size, VOCAB))
+    assert back.cfg == model.cfg
