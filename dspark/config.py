@@ -246,9 +246,9 @@ class ExtractConfig(Section):
     )
     idle_timeout: Annotated[float, Field(gt=0)] = Field(
         600.0,
-        description="seconds a consumer may receive nothing before the stream fails (dead "
-        "producers are found by heartbeat long before): a producer that answers its prompts "
-        "delivers its first sample only after a row's whole answer, 2-3 minutes on a busy CPU",
+        description="seconds a consumer may receive nothing while no connected producer "
+        "decodes (heartbeats carry decode steps) before the stream fails; dead producers are "
+        "found by heartbeat long before, and a starved one that still decodes is waited for",
     )
     segment_mb: PosInt = Field(256, description="Mooncake memory each producer contributes")
     buffer_mb: PosInt = Field(64, description="Mooncake transfer buffer of the consumer")
