@@ -35,22 +35,17 @@ import hashlib
 import json
 import os
 import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
+from dspark.engines.process import ServerProcess
 from dspark.errors import DsparkError
 from dspark.io import write_json
-from dspark.net import free_port
-from dspark.procs import stop_processes
 
 VENV_DIR = ".venv-llamacpp"
 SERVED_NAME = "target"  # the model alias requests give as `model`
 F32_SUFFIX = ".llamacpp-f32.gguf"  # beside the target folder: <target>.llamacpp-f32.gguf
-READY_TIMEOUT_S = 300.0  # mapping 540 MB of F32: seconds idle, longer under load
-STOP_TIMEOUT_S = 20.0
 CONVERT_TIMEOUT_S = 900.0
 # Sampling as ours, sent with every request: the server otherwise applies a repeat penalty of
 # 1.1 (which changes even greedy answers), top-k 40 and min-p 0.05.
@@ -147,11 +142,14 @@ def f32_gguf(target_dir: Path, venv: Path | None = None, threads: int | None = N
     return out
 
 
-class LlamacppServer:
+class LlamacppServer(ServerProcess):
     """One llama-cpp-python OpenAI server on `gguf`. `start()` launches it and returns at once;
     `wait_ready()` blocks until it answers /v1/models. As a context manager it does both, and
     stops the server on exit. `lookup_k`: llama.cpp's prompt-lookup draft proposing that many
     tokens a step; None serves plain decoding."""
+
+    label, error, log_prefix = "llama.cpp server", LlamacppError, "llamacpp-"
+    ready_path, not_ready = "/v1/models", "not ready"
 
     def __init__(
         self,
@@ -179,10 +177,6 @@ class LlamacppServer:
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
     def argv(self, python: Path) -> list[str]:
         argv = [
             str(python), "-m", "llama_cpp.server",
@@ -207,68 +201,12 @@ class LlamacppServer:
         env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         return env
 
-    def start(self) -> LlamacppServer:
-        if self.proc is not None:
-            return self
+    def command(self) -> list[str]:
         python = venv_python(self.venv)
         if not self.gguf.is_file():
             raise LlamacppError(f"{self.gguf}: missing (dspark.engines.llamacpp.f32_gguf)")
-        if self.port is None:
-            self.port = free_port(self.host)
-        if self.log is None:
-            fd, name = tempfile.mkstemp(prefix="llamacpp-", suffix=".log")
-            os.close(fd)
-            self.log = Path(name)
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._t0 = time.monotonic()
-        with self.log.open("w") as out:
-            # Our process group: a group kill of the stage reaches it too.
-            self.proc = subprocess.Popen(
-                self.argv(python), env=self.env(), stdout=out, stderr=subprocess.STDOUT
-            )
-        return self
-
-    def log_tail(self, lines: int = 3) -> str:
-        try:
-            text = self.log.read_text(errors="replace") if self.log else ""
-        except OSError:
-            return ""
-        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> LlamacppServer:
-        if self.proc is None:
-            self.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise LlamacppError(
-                    f"llama.cpp server exited ({self.proc.returncode}) while starting; "
-                    f"{self.log}: {self.log_tail()}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/v1/models", timeout=2.0).status_code == 200:
-                    self.startup_s = round(time.monotonic() - self._t0, 1)
-                    return self
-            time.sleep(0.5)
-        raise LlamacppError(f"llama.cpp server: not ready after {timeout:.0f} s; see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        stop_processes([self.proc], grace=STOP_TIMEOUT_S)
-        self.proc = None
-        if self._own_log and self.log is not None:
-            self.log.unlink(missing_ok=True)
-
-    def __enter__(self) -> LlamacppServer:
-        try:
-            return self.start().wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        self.take_port()
+        return self.argv(python)
 
     # --- requests --------------------------------------------------------------------------
 

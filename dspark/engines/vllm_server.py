@@ -22,27 +22,21 @@ import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from dspark.engines.process import ServerProcess
 from dspark.errors import DsparkError
-from dspark.net import free_port
-from dspark.procs import stop_processes
 
 VENV_DIR = ".venv-vllm"
 SERVED_NAME = "target"  # the name requests give as `model`
 # GiB of KV cache (VLLM_CPU_KVCACHE_SPACE). vLLM's CPU default takes a share of the RAM; 1 GiB
 # holds ~23k tokens of SmolLM2-135M in fp32, 11 rows of 2048.
 KV_CACHE_GIB = 1
-READY_TIMEOUT_S = 300.0  # ~20 s on an idle 2-core machine, minutes under load
-STOP_TIMEOUT_S = 20.0
 
 
 class VllmError(DsparkError):
@@ -90,10 +84,13 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-class VllmServer:
+class VllmServer(ServerProcess):
     """One `vllm serve` of the target. `start()` launches it and returns at once (so several
     servers can load side by side); `wait_ready()` blocks until /health answers. As a context
     manager it does both, and stops the server on exit."""
+
+    label, error, log_prefix = "vLLM server", VllmError, "vllm-"
+    ready_path, not_ready = "/health", "no /health"
 
     def __init__(
         self,
@@ -130,10 +127,6 @@ class VllmServer:
         self.startup_s: float | None = None
 
     @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
     def python(self) -> Path:
         return self.venv / "bin" / "python"
 
@@ -167,75 +160,18 @@ class VllmServer:
             env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         return env
 
-    def start(self) -> VllmServer:
-        if self.proc is not None:
-            return self
+    def command(self) -> list[str]:
         if not self.python.is_file():
             raise VllmError(f"{self.python}: missing; run `make vllm-venv`")
         source = model_source(self.target_dir)
-        if self.port is None:
-            self.port = free_port(self.host)
-        elif not port_free(self.host, self.port):
+        if self.port is not None and not port_free(self.host, self.port):
             raise VllmError(f"vLLM server: port {self.port} on {self.host} is in use")
-        if self.log is None:
-            fd, name = tempfile.mkstemp(prefix="vllm-", suffix=".log")
-            os.close(fd)
-            self.log = Path(name)
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        self._t0 = time.monotonic()
-        with self.log.open("w") as out:
-            # Same process group as ours: a group kill of a stage (dvc, Prefect) reaches it too.
-            self.proc = subprocess.Popen(
-                self.argv(source), env=self.env(), stdout=out, stderr=subprocess.STDOUT
-            )
-        return self
+        self.take_port()
+        return self.argv(source)
 
-    def log_tail(self, lines: int = 3) -> str:
-        try:
-            text = self.log.read_text(errors="replace") if self.log else ""
-        except OSError:
-            return ""
-        return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
-
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> VllmServer:
-        if self.proc is None:
-            self.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise VllmError(
-                    f"vLLM server exited ({self.proc.returncode}) while starting; {self.log}: "
-                    f"{self.log_tail()}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    self.startup_s = round(time.monotonic() - self._t0, 1)
-                    return self
-            time.sleep(0.5)
-        raise VllmError(f"vLLM server: no /health after {timeout:.0f} s; see {self.log}")
-
-    def stop(self) -> None:
-        """SIGTERM (vLLM then stops its engine processes), SIGKILL for whatever is left."""
-        if self.proc is None:
-            return
-        kids = _descendants(self.proc.pid)
-        stop_processes([self.proc], grace=STOP_TIMEOUT_S)
-        for pid in kids:  # an engine process its killed parent could not stop
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        self.proc = None
-        if self._own_log and self.log is not None:
-            self.log.unlink(missing_ok=True)
-
-    def __enter__(self) -> VllmServer:
-        try:
-            return self.start().wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def descendants(self) -> list[int]:
+        """vLLM's engine processes: a killed parent cannot stop them."""
+        return _descendants(self.proc.pid)
 
     def spec_decode(self, timeout: float = 10.0) -> SpecDecodeCounters:
         """vLLM's speculative-decoding counters so far (since the server started)."""

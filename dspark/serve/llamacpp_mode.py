@@ -25,12 +25,12 @@ from pathlib import Path
 from dspark.config import Params
 from dspark.engines.llamacpp import (
     OWN_DEFAULTS_OFF,
-    READY_TIMEOUT_S,
     SERVED_NAME,
     LlamacppServer,
     default_venv,
     f32_gguf,
 )
+from dspark.engines.process import READY_TIMEOUT_S
 from dspark.serve.rounds import paired_ratio, per_round
 
 PLAIN, LOOKUP = "llamacpp", "llamacpp_lookup"

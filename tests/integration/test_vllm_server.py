@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dspark.engines import vllm_server
+from dspark.engines import process, vllm_server
 from dspark.engines.vllm_server import VllmError, VllmServer
 from dspark.serve.client import one_request
 
@@ -78,7 +78,7 @@ def test_generate_round_trip_and_sigkill_on_stop(target_dir, fake_venv, monkeypa
     monkeypatch.setenv("FAKE_VLLM", "ignore_term")
     record = tmp_path / "requests.jsonl"
     monkeypatch.setenv("FAKE_VLLM_RECORD", str(record))
-    monkeypatch.setattr(vllm_server, "STOP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(process, "STOP_TIMEOUT_S", 1.0)
     with VllmServer(target_dir, venv=fake_venv, max_model_len=256, max_num_seqs=4) as server:
         assert server.startup_s is not None
         out = server.generate([[1, 2, 3], [4, 5]], max_new_tokens=2, temperature=0.7, seed=9)
