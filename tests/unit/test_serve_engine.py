@@ -262,7 +262,7 @@ def test_a_steps_time_is_split_into_parts_that_add_up_to_it(llama, varied, promp
     assert [c.tokens for c in out] == reference
     st = engine.stats
     parts = st.draft_s + st.verify_s + st.accept_s + st.schedule_s
-    assert parts == pytest.approx(st.step_s, rel=0.01)  # microseconds between marks go uncounted
+    assert parts == pytest.approx(st.step_s, rel=1e-9)  # chained marks: no time goes uncounted
     # Each known delay is in its own part and in no other.
     steps_calls = SlowClient.calls - st.requests  # each prefill's token is delivered apart
     assert st.draft_steps == st.steps and len(plans) > 0 and steps_calls > 0
