@@ -4,6 +4,10 @@ params.yaml holds one section per stage plus `target`, `data` and `tracking`, an
 `profile`, and `profiles:` overlays that are deep-merged over the sections. Every load validates
 the whole file, every profile included, and rejects unknown keys. Defaults live here and only
 here. Precedence: CLI overrides > the profile overlay > the base sections > these defaults.
+
+The lists of methods and modes that decode with a trained draft (FOLLOWS_DRAFTS) follow a
+`train.drafts` given by `--set` unless the same command sets them: `--set train.drafts=[dflash]`
+alone evaluates and serves DFlash and drops the drafts it no longer trains.
 """
 
 from __future__ import annotations
@@ -52,6 +56,14 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # The trained drafts (dspark.drafts registers a kind under each name), and what evaluate decodes.
 Draft = Literal["dspark", "eagle3", "dflash"]
 Method = Literal["dspark", "eagle3", "dflash", "ngram", "hybrid", "none"]
+
+
+def draft_of(name: str, hybrid_draft: str) -> str | None:
+    """The trained draft a method or serving mode decodes with (None: it needs none)."""
+    if name == "hybrid":
+        return hybrid_draft
+    base = name.removesuffix("_fixed").removesuffix("_adaptive")
+    return base if base in get_args(Draft) else None
 
 
 class Section(BaseModel):
@@ -766,12 +778,11 @@ class Params(Section):
         here in one line, not when the evaluation or the benchmark loads it hours in."""
         trained = self.train.drafts
 
-        def drafts_with(name: str, section: str) -> tuple[str, str]:
+        def drafts_with(name: str, section: str) -> tuple[str | None, str]:
             """-> (the draft a method or mode loads, where that choice is made if not by name)."""
-            if name == "hybrid":
-                hybrid = self.serve.hybrid if section == "serve" else self.evaluate.hybrid
-                return hybrid.draft, f" ({section}.hybrid.draft)"
-            return name.removesuffix("_fixed").removesuffix("_adaptive"), ""
+            hybrid = self.serve.hybrid if section == "serve" else self.evaluate.hybrid
+            where = f" ({section}.hybrid.draft)" if name == "hybrid" else ""
+            return draft_of(name, hybrid.draft), where
 
         uses = [
             *(("evaluate.methods", m, *drafts_with(m, "evaluate")) for m in self.evaluate.methods),
@@ -780,7 +791,7 @@ class Params(Section):
             *(("benchmark.modes", m, *drafts_with(m, "serve")) for m in self.benchmark.modes),
         ]  # fmt: skip
         for field, name, draft, chosen in uses:
-            if draft in get_args(Draft) and draft not in trained:
+            if draft is not None and draft not in trained:
                 raise ValueError(
                     f"{field}: {name} needs the {draft} draft{chosen}, which train.drafts "
                     f"({', '.join(trained)}) does not train"
@@ -912,6 +923,70 @@ def _apply_overrides(tree: dict, overrides: list[str]) -> dict:
     return tree
 
 
+# Where each list names a draft's methods or modes, and the section whose `hybrid.draft` its
+# `hybrid` entry decodes with.
+FOLLOWS_DRAFTS = {
+    ("evaluate", "methods"): "evaluate",
+    ("evaluate", "lm_eval", "methods"): "evaluate",
+    ("benchmark", "modes"): "serve",
+}
+# A draft's own entries in such a list (evaluate's lists name the draft itself).
+SERVED_AS = {"dspark": ("dspark_fixed", "dspark_adaptive")}
+
+
+def _layer_setting(path: tuple, layers: list[dict]) -> int:
+    """The highest-precedence layer (index into layers) that sets path; -1: the default."""
+    return max((i for i, layer in enumerate(layers) if _has_path(layer, path)), default=-1)
+
+
+def _lookup(tree: dict, path: tuple) -> Any:
+    for part in path:
+        tree = tree[part]
+    return tree
+
+
+def _follow_drafts(tree: dict, layers: list[dict]) -> dict:
+    """Where `--set` (the last layer) sets train.drafts, each FOLLOWS_DRAFTS list it does not
+    set follows: its entries whose draft is not trained are dropped, and the trained drafts'
+    own entries it lacks take the first dropped one's place (or follow the last that drafts).
+    params.yaml's own layers are kept as written: a profile states its lists, and the validator
+    names an entry whose draft that profile does not train."""
+    drafts_at = _layer_setting(("train", "drafts"), layers)
+    trained = tree.get("train", {}).get("drafts") if drafts_at == len(layers) - 1 else None
+    if not isinstance(trained, list) or not all(isinstance(d, str) for d in trained):
+        return tree  # not set above the defaults, or malformed: validation names it
+    tree = copy.deepcopy(tree)
+    defaults = {
+        ("evaluate", "methods"): EvaluateConfig.model_fields["methods"].default,
+        ("evaluate", "lm_eval", "methods"): LmEvalConfig.model_fields["methods"].default,
+        ("benchmark", "modes"): BenchmarkConfig.model_fields["modes"].default,
+    }
+    default_hybrid = HybridConfig.model_fields["draft"].default
+    for path, section in FOLLOWS_DRAFTS.items():
+        if _layer_setting(path, layers) >= drafts_at:
+            continue
+        names = _lookup(tree, path) if _has_path(tree, path) else defaults[path]
+        hybrid = (section, "hybrid", "draft")
+        hybrid = _lookup(tree, hybrid) if _has_path(tree, hybrid) else default_hybrid
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in [*names, hybrid]):
+            continue  # malformed: validation names it
+        keep = [draft_of(n, hybrid) in (None, *trained) for n in names]
+        own = [e for d in trained for e in (SERVED_AS.get(d, (d,)) if section == "serve" else (d,))]
+        new = [e for e in own if e not in names]
+        kept = [n for n, k in zip(names, keep, strict=True) if k]
+        if False in keep:  # where the first dropped entry stood
+            at = sum(keep[: keep.index(False)])
+        else:  # after the last entry that drafts, or last
+            drafting = [i for i, n in enumerate(kept) if draft_of(n, hybrid) is not None]
+            at = drafting[-1] + 1 if drafting else len(kept)
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else None
+        if isinstance(node, dict):  # (else malformed: validation names it)
+            node[path[-1]] = kept[:at] + new + kept[at:]
+    return tree
+
+
 def build(tree: dict, where: str, overlay: dict | None = None, profile: str = "") -> Params:
     try:
         return Params.model_validate(tree)
@@ -945,10 +1020,13 @@ def load_params(
     if name not in profiles:
         known = ", ".join(profiles) or "none"
         raise ConfigError(f"{path}: profile: unknown profile {name!r} (known: {known})")
-    tree = {**_deep_merge(raw, profiles[name]), "profile": name}
+    overlay = profiles[name]
+    tree = {**_deep_merge(raw, overlay), "profile": name}
     if overrides:
-        return build(_apply_overrides(tree, list(overrides)), "--set")
-    return build(tree, str(path), profiles[name], name)
+        tree = _apply_overrides(tree, list(overrides))
+        layers = [raw, overlay, _apply_overrides({}, list(overrides))]
+        return build(_follow_drafts(tree, layers), "--set")
+    return build(tree, str(path), overlay, name)
 
 
 def profile_names(path: Path | str = "params.yaml") -> list[str]:

@@ -91,23 +91,30 @@ def test_answering_in_extract_needs_shards_and_greedy():
     assert hf.stream_credits(100) == (hf.extract.max_in_flight, None)
 
 
-def test_a_method_or_mode_needs_its_draft_trained():
+def test_a_method_or_mode_needs_its_draft_trained(tmp_path):
     full = ["train.drafts=[dspark, eagle3]"]  # the full profile evaluates and serves dflash
     with pytest.raises(
         ConfigError,
         match=r"^--set: evaluate\.methods: dflash needs the dflash draft, which train\.drafts "
         r"\(dspark, eagle3\) does not train$",
-    ):
-        load_params(ROOT / "params.yaml", profile="full", overrides=full)
+    ):  # a list set beside train.drafts is taken as written
+        load_params(
+            ROOT / "params.yaml", profile="full", overrides=[*full, "evaluate.methods=[dflash]"]
+        )
     with pytest.raises(ConfigError, match=r"^--set: benchmark\.modes: dspark_fixed needs"):
         load_params(
             ROOT / "params.yaml",
-            overrides=[
-                "train.drafts=[eagle3]",
-                "evaluate.methods=[eagle3]",
-                "evaluate.lm_eval.methods=[none]",
-            ],
+            overrides=["train.drafts=[eagle3]", "benchmark.modes=[none, dspark_fixed]"],
         )
+    # So is a profile's: params.yaml states its lists (only --set carries them along).
+    text = (ROOT / "params.yaml").read_text().replace("profile: default", "profile: dflash_only")
+    (tmp_path / "params.yaml").write_text(
+        text + "  dflash_only:\n    train:\n      drafts: [dflash]\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^\S+params\.yaml: evaluate\.methods: dspark needs the dspark draft"
+    ):
+        load_params(tmp_path / "params.yaml")
     # The hybrid needs the draft its own section pairs it with, and says where that is set.
     with pytest.raises(
         ConfigError,
@@ -133,6 +140,37 @@ def test_a_method_or_mode_needs_its_draft_trained():
             "benchmark.modes=[none, eagle3, dspark_fixed, hybrid]",
         ],
     )
+
+
+@pytest.mark.parametrize("profile", ["default", "full"])
+def test_one_flag_chooses_the_drafts_and_the_lists_follow(profile):
+    """`--set train.drafts=...` alone: what evaluate and the benchmark decode with follows it,
+    dropping the drafts no longer trained and adding the new ones where the first dropped
+    stood (or after the last that drafts)."""
+    as_is = load_params(ROOT / "params.yaml", profile=profile)
+    only = load_params(ROOT / "params.yaml", profile=profile, overrides=["train.drafts=[dflash]"])
+    assert only.evaluate.methods == ["dflash", "ngram", "none"]
+    assert only.evaluate.lm_eval.methods == ["none", "dflash"]
+    assert "dflash" in only.benchmark.modes
+    assert [m for m in only.benchmark.modes if m != "dflash"] == [
+        m
+        for m in as_is.benchmark.modes
+        if not m.startswith(("dspark", "eagle3", "dflash", "hybrid"))
+    ]
+    both = load_params(
+        ROOT / "params.yaml", profile=profile, overrides=["train.drafts=[dspark, dflash]"]
+    )
+    assert both.evaluate.lm_eval.methods == ["none", "dspark", "dflash"]
+    assert "hybrid" in both.evaluate.methods and "eagle3" not in both.evaluate.methods
+    assert both.evaluate.methods[:2] == ["dspark", "dflash"]
+    # The hybrid stays where its own draft is trained, whichever that is.
+    eagle = load_params(
+        ROOT / "params.yaml",
+        profile=profile,
+        overrides=["train.drafts=[eagle3]", "evaluate.hybrid.draft=eagle3"],
+    )
+    assert eagle.evaluate.methods == ["eagle3", "ngram", "hybrid", "none"]
+    assert "dspark" not in "".join(eagle.benchmark.modes)
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path):
