@@ -125,11 +125,19 @@ def _interval(ci, digits: int = 2) -> str:
     return f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
 
-def summary(docs: dict[str, dict], mlflow: str, profile: str, folder: str = "metrics") -> str:
+def summary(
+    docs: dict[str, dict],
+    mlflow: str,
+    profile: str,
+    folder: str = "metrics",
+    full: tuple[str, dict[str, dict]] | None = None,
+) -> str:
     """What a pipeline run ends by printing: where the time went, tau per method with its
-    interval, the pairs, the single-stream speedup over `none`, and where to look next.
-    `mlflow` is how to reach the tracking UI (a link, or the command that serves the store);
-    `folder` is where the metrics files are, relative to the repository."""
+    interval, the pairs, the single-stream speedup over `none`, the headline table beside the
+    committed full run's, and where to look next. `mlflow` is how to reach the tracking UI (a
+    link, or the command that serves the store); `folder` is where the metrics files are,
+    relative to the repository; `full` is (the folder, `read_table`) of the full run's table,
+    so a small run shows what it stands for."""
     ev, bench, train, run = (docs.get(k) or {} for k in ("eval", "bench", "train", "run"))
     lines = [f"dspark {profile} run"]
     stages = run.get("stages") or {}
@@ -176,6 +184,8 @@ def summary(docs: dict[str, dict], mlflow: str, profile: str, folder: str = "met
         best = max(speedups, key=speedups.get)
         each = ", ".join(f"{m} {s:.2f}x" for m, s in speedups.items())
         lines.append(f"  single stream over none (HTTP, c=1): {each}; best {best}")
+    if full and full[1]:
+        lines += _beside(table(docs), full[1], full[0])
     lines += [
         "  where to look:",
         f"    MLflow: {mlflow}",
@@ -211,6 +221,42 @@ def table(docs: dict[str, dict]) -> dict[str, dict[str, float | int]]:
     if _number(extract.get("tok_s")):
         rows["data_tok_s"][DATA_COLUMN] = round(extract["tok_s"])
     return {row: figures for row, figures in rows.items() if figures}
+
+
+def read_table(folder: Path) -> dict[str, dict[str, float | int]]:
+    """The headline table `write_table` left under folder/headline/: {row: {column: figure}},
+    the rows with a readable file, in TABLE_ROWS' order."""
+    rows = {}
+    for row in TABLE_ROWS:
+        try:
+            figures = json.loads((Path(folder) / HEADLINE_DIR / f"{row}.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(figures, dict):
+            rows[row] = {k: v for k, v in figures.items() if _number(v)}
+    return rows
+
+
+def _beside(mine: dict[str, dict], full: dict[str, dict], where: str) -> list[str]:
+    """The headline table as `this run / the full run`, a column per method (-: no figure);
+    the data plane's one figure on a line of its own."""
+    rows = [r for r in TABLE_ROWS if r in mine or r in full]
+    grid = [r for r in rows if r != "data_tok_s"]
+    columns = list(dict.fromkeys(c for t in (mine, full) for r in grid for c in t.get(r, {})))
+
+    def cell(row: str, column: str) -> str:
+        a, b = (t.get(row, {}).get(column) for t in (mine, full))
+        return " / ".join("-" if v is None else f"{v:,}" for v in (a, b))
+
+    lines = [
+        f"  headline, this run / the committed full run ({where}/{HEADLINE_DIR}):",
+        ("    " + " " * 12 + "".join(f"{c:<16}" for c in columns)).rstrip(),
+    ]
+    for row in grid:
+        lines.append((f"    {row:<12}" + "".join(f"{cell(row, c):<16}" for c in columns)).rstrip())
+    if "data_tok_s" in rows:
+        lines.append(f"    {'data_tok_s':<12}{DATA_COLUMN} {cell('data_tok_s', DATA_COLUMN)}")
+    return lines
 
 
 def write_table(folder: Path, docs: dict[str, dict]) -> dict[str, dict[str, float | int]]:

@@ -37,7 +37,8 @@ TRAIN_CURVES_PNG = "plots/train_curves.png"
 RUN_SUMMARY = "metrics/run.json"
 # The `full` profile's figures as that run wrote them (with its dvc.lock beside them): the ones
 # the README quotes. `dvc metrics show` lists them beside the working profile's.
-FULL_METRICS = tuple(f"metrics/full/{name}.json" for name in ("train", "eval", "bench", "run"))
+FULL_DIR = "metrics/full"  # the committed full run's metrics, beside the working profile's
+FULL_METRICS = tuple(f"{FULL_DIR}/{name}.json" for name in ("train", "eval", "bench", "run"))
 PREPARE_LENGTHS = "plots/prepare_lengths.csv"
 EVAL_PLOTS = "plots"
 EVAL_REPORT = "metrics/eval_report.md"

@@ -15,7 +15,7 @@ from prefect.runtime import flow_run
 from dspark import stages
 from dspark.config import load_params
 from dspark.errors import ConfigError
-from dspark.headline import read_docs, summary
+from dspark.headline import read_docs, read_table, summary
 from dspark.io import write_text
 from dspark.metrics import git_commit
 from flows.stages import STAGE_FLOWS
@@ -73,7 +73,9 @@ def dspark(profile: str = "default", root: str = str(ROOT)) -> dict:
             "--host 127.0.0.1 --port 5000 --workers 1, then http://127.0.0.1:5000"
         )
         docs = read_docs((root_path / stages.RUN_SUMMARY).parent, profile)
-        logger.info("%s", summary(docs, mlflow, profile))
+        full_dir = stages.FULL_DIR
+        full = None if profile == "full" else (full_dir, read_table(root_path / full_dir))
+        logger.info("%s", summary(docs, mlflow, profile, full=full))
         ok = True
     finally:
         tracker.finish(parent, ok)

@@ -5,7 +5,15 @@ import json
 from typing import get_args
 
 from dspark.config import Method
-from dspark.headline import DATA_COLUMN, HEADLINE_DIR, TABLE_ROWS, table, write_table
+from dspark.headline import (
+    DATA_COLUMN,
+    HEADLINE_DIR,
+    TABLE_ROWS,
+    read_table,
+    summary,
+    table,
+    write_table,
+)
 from tests.conftest import dvc_metrics_show
 
 TERMINAL = 100
@@ -87,3 +95,30 @@ def test_the_widest_table_fits_a_terminal():
     # The check can fail: a stamp on every row (as other metrics files carry) does not fit.
     stamped = {p: {**d, "git_commit": "0" * 40} for p, d in files.items()}
     assert max(map(len, dvc_metrics_show(stamped))) > TERMINAL
+
+
+def test_a_small_runs_summary_shows_the_full_runs_table_beside_its_own(tmp_path):
+    """The default run's closing summary: its headline and the committed full run's, figure by
+    figure (this run / full run), read back from the full run's headline folder."""
+    write_table(tmp_path / "full", DOCS)
+    (tmp_path / "full" / HEADLINE_DIR / "speedup.json").write_text("{torn")  # unreadable: no row
+    full = read_table(tmp_path / "full")
+    assert full == {k: v for k, v in table(DOCS).items() if k != "speedup"}
+    small = {"eval": {"mean": {"dspark": 1.034, "ngram": 1.696, "hybrid": 1.7}}}
+    text = summary(small, "http://mlflow", "default", full=("metrics/full", full))
+    lines = text.splitlines()
+    at = lines.index("  headline, this run / the committed full run (metrics/full/headline):")
+    assert lines[at + 1].split() == ["dspark", "ngram", "hybrid", "eagle3"]
+    rows = {line.split()[0]: line for line in lines[at + 2 : at + 7]}
+    assert " ".join(rows["tau"].split()) == "tau 1.034 / 1.359 1.696 / 1.742 1.7 / - - / 1.92"
+    assert " ".join(rows["train_tok_s"].split()) == "train_tok_s - / 2,076 - / - - / - - / 1,463"
+    assert lines[at + 6] == f"    data_tok_s  {DATA_COLUMN} - / 324"
+    assert "headline, this run" not in summary(small, "http://mlflow", "full")
+    # Every method at its widest figure still fits a terminal.
+    wide = {
+        row: dict.fromkeys([m for m in get_args(Method) if m != "none"], 12345)
+        for row in TABLE_ROWS
+    }
+    text = summary({}, "x", "default", full=("metrics/full", wide))
+    block = text.split("committed full run")[1].split("where to look")[0].splitlines()[1:]
+    assert block and max(map(len, block)) <= TERMINAL
