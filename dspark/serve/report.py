@@ -110,17 +110,28 @@ def goal_lines(g: dict) -> list[str]:
         )
     if "adaptive_loses_nowhere" in g:
         s = g["adaptive_loses_nowhere"]
-        lost = [r["concurrency"] for r in s["cells"] if not r["met"]]
+        lost = [f"{r['mode']} c={r['concurrency']}" for r in s["cells"] if not r["met"]]
         worst = min(s["cells"], key=lambda r: r["ratio"], default=None)
         moved = [r["none_spread"] for r in s["cells"] if r.get("none_spread") is not None]
-        detail = f"; worst {worst['ratio']}x at c={worst['concurrency']}" if worst else ""
+        detail = (
+            f"; worst {worst['mode']} {worst['ratio']}x at c={worst['concurrency']}"
+            if worst
+            else ""
+        )
         if moved:
             detail += f"; none moved up to {100 * max(moved):.0f}% between rounds"
         out.append(
-            "goal adaptive >= max(fixed, none) at every concurrency: "
-            + ("met" if s["met"] else f"NOT met at c = {lost}")
+            "goal adaptive and hybrid >= every other mode at every concurrency: "
+            + ("met" if s["met"] else f"NOT met at {', '.join(lost)}")
             + detail
         )
+    for key, where in (("best_over_none_c1", "c=1"), ("best_over_none_mixed", "the mixed cell")):
+        if key in g:
+            s = g[key]
+            out.append(
+                f"goal best mode >= {s['goal']}x none at {where}: {s['mode']} {s['ratio']}x "
+                f"({'met' if s['met'] else 'NOT met'})"
+            )
     s = g.get("ttft_overhead")
     if s and s["cells"]:
         worst = max(s["cells"], key=lambda r: r["ttft_overhead"])
