@@ -34,6 +34,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dspark.config import serving_modes
     from dspark.stages import STAGES
 
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__.splitlines()[0])
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--mode",
         required=True,
-        help="none, ngram, eagle3, dflash, dspark_fixed, dspark_adaptive, hybrid",
+        help=", ".join(serving_modes()),
     )
     e.add_argument("--host", help="bind address (default: serve.host, loopback)")
     e.add_argument("--port", type=int, help="port (default: serve.port)")

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -28,8 +30,10 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from dspark.errors import ConfigError
+from dspark.registry import Registry
 
 PROFILES_KEY = "profiles"
 
@@ -53,17 +57,83 @@ NonNegInt = Annotated[int, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
 PosFloat = Annotated[float, Field(gt=0.0)]
 Dtype = Literal["float32", "bfloat16", "float16"]
-# The trained drafts (dspark.drafts registers a kind under each name), and what evaluate decodes.
-Draft = Literal["dspark", "eagle3", "dflash"]
-Method = Literal["dspark", "eagle3", "dflash", "ngram", "hybrid", "none"]
+
+# --- drafts, methods and modes ------------------------------------------------------------------
+
+# The draft kinds params may name, in the order the train stage builds them, each with the
+# serving modes it is served as. A kind's code (config, model, proposer, training recipe,
+# export) is registered under the same name in dspark.drafts, which refuses a name not declared
+# here, and a test keeps the two lists equal. The names are declared apart from that code
+# because every command validates params and none should import torch to do it (`dspark
+# validate`, `--help`), and because every stage's DVC deps hold this file: naming the drafts'
+# modules here, even lazily, would make a change to a model rerun prepare and extract.
+DRAFT_NAMES: Registry[tuple[str, ...]] = Registry("draft")
+
+
+def declare_draft(name: str, served_as: tuple[str, ...] = ()) -> None:
+    """A draft kind params may name, served as the modes `served_as` (default: its own name)."""
+    DRAFT_NAMES.register(name, served_as or (name,))
+
+
+declare_draft("dspark", served_as=("dspark_fixed", "dspark_adaptive"))
+declare_draft("dflash")
+declare_draft("eagle3")
+
+
+def modes_of(draft: str) -> tuple[str, ...]:
+    """A draft's serving modes (an undeclared name's own: validation names it)."""
+    return DRAFT_NAMES.get(draft) if draft in DRAFT_NAMES.names() else (draft,)
+
+
+def methods() -> tuple[str, ...]:
+    """What evaluate and lm-eval decode with: each trained draft, n-gram lookup, the hybrid of
+    the two, and the target alone (dspark.drafts registers a proposer under each)."""
+    return (*DRAFT_NAMES.names(), "ngram", "hybrid", "none")
+
+
+def serving_modes() -> tuple[str, ...]:
+    """What the serving engine serves (`dspark endpoint --mode`): a method plus how the engine
+    drives it, each draft's modes between n-gram's and the hybrid's."""
+    drafted = (mode for draft in DRAFT_NAMES.names() for mode in modes_of(draft))
+    return ("none", "ngram", *drafted, "hybrid")
+
+
+def benchmark_modes() -> tuple[str, ...]:
+    """What the benchmark may serve: the engine's modes, then the references beside ours.
+    none_vllm: vLLM's own server (`make vllm-venv`) on the target alone, a reference for
+    `none`. llamacpp, llamacpp_lookup: the peer, llama.cpp on the same fp32 weights (`make
+    llamacpp-venv`), plain and with its prompt lookup (dspark/serve/llamacpp_mode.py)."""
+    return (*serving_modes(), "none_vllm", "llamacpp", "llamacpp_lookup")
+
+
+def _one_of(known: Callable[[], tuple[str, ...]]) -> AfterValidator:
+    """A choice among the names `known` returns when a value is validated: a Literal would fix
+    them at import, before a kind registered later (a test's own) exists. Refused with the
+    message a Literal gives."""
+
+    def check(value: str) -> str:
+        names = known()
+        if value not in names:
+            *most, last = (repr(n) for n in names)
+            expected = f"{', '.join(most)} or {last}" if most else last
+            raise PydanticCustomError(
+                "literal_error", "Input should be {expected}", {"expected": expected}
+            )
+        return value
+
+    return AfterValidator(check)
+
+
+Draft = Annotated[str, _one_of(DRAFT_NAMES.names)]
+Method = Annotated[str, _one_of(methods)]
+Mode = Annotated[str, _one_of(benchmark_modes)]
 
 
 def draft_of(name: str, hybrid_draft: str) -> str | None:
     """The trained draft a method or serving mode decodes with (None: it needs none)."""
     if name == "hybrid":
         return hybrid_draft
-    base = name.removesuffix("_fixed").removesuffix("_adaptive")
-    return base if base in get_args(Draft) else None
+    return next((d for d in DRAFT_NAMES.names() if name == d or name in modes_of(d)), None)
 
 
 class Section(BaseModel):
@@ -332,6 +402,16 @@ KlWeight = Annotated[
 ]
 
 
+def check_heads(markov_rank: int, confidence_head: bool, confidence_with_markov: bool) -> None:
+    """DSpark's heads as params set them and as a draft is built (DSparkConfig): the one place
+    the rule is kept. The confidence head can see the Markov head's input only where there is a
+    Markov head."""
+    if confidence_head and confidence_with_markov and markov_rank == 0:
+        raise ValueError(
+            "confidence_with_markov needs markov_rank > 0 (set confidence_with_markov: false)"
+        )
+
+
 class DSparkDraftConfig(Section):
     """DeepSpec's published DSpark recipe (lr 6e-4, 4% warmup, cosine, clip 1.0, CE 0.1 + TV
     0.9 decayed by exp(-k/4), confidence BCE alpha 1, 512 anchors, Markov rank 256 vanilla)."""
@@ -378,10 +458,7 @@ class DSparkDraftConfig(Section):
 
     @model_validator(mode="after")
     def _confidence_needs_markov(self) -> DSparkDraftConfig:
-        if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
-            raise ValueError(
-                "confidence_with_markov needs markov_rank > 0 (set confidence_with_markov: false)"
-            )
+        check_heads(self.markov_rank, self.confidence_head, self.confidence_with_markov)
         return self
 
 
@@ -654,15 +731,6 @@ class ServeConfig(Section):
         if self.ngram_window[0] > self.ngram_window[1]:
             raise ValueError(f"ngram_window: {self.ngram_window} has min above max")
         return self
-
-
-# none_vllm: vLLM's own server (`make vllm-venv`) on the target alone, a reference for `none`.
-# llamacpp, llamacpp_lookup: the peer, llama.cpp on the same fp32 weights (`make llamacpp-venv`),
-# plain and with its prompt lookup (dspark/serve/llamacpp_mode.py).
-Mode = Literal[
-    "none", "ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive", "hybrid", "none_vllm",
-    "llamacpp", "llamacpp_lookup",
-]  # fmt: skip
 
 
 class BenchmarkGoals(Section):
@@ -942,8 +1010,6 @@ FOLLOWS_DRAFTS = {
     ("evaluate", "lm_eval", "methods"): "evaluate",
     ("benchmark", "modes"): "serve",
 }
-# A draft's own entries in such a list (evaluate's lists name the draft itself).
-SERVED_AS = {"dspark": ("dspark_fixed", "dspark_adaptive")}
 
 
 def _layer_setting(path: tuple, layers: list[dict]) -> int:
@@ -983,7 +1049,8 @@ def _follow_drafts(tree: dict, layers: list[dict]) -> dict:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in [*names, hybrid]):
             continue  # malformed: validation names it
         keep = [draft_of(n, hybrid) in (None, *trained) for n in names]
-        own = [e for d in trained for e in (SERVED_AS.get(d, (d,)) if section == "serve" else (d,))]
+        # A draft's own entries: its serving modes in the benchmark's, its name in evaluate's.
+        own = [e for d in trained for e in (modes_of(d) if section == "serve" else (d,))]
         new = [e for e in own if e not in names]
         kept = [n for n, k in zip(names, keep, strict=True) if k]
         if False in keep:  # where the first dropped entry stood

@@ -1,14 +1,17 @@
-"""The one registry of drafts and proposers. Whatever loads a trained draft or builds a proposer
-by method name comes through here (evaluate, serve, lm-eval, export), so adding a draft type is
-one `register_draft` call in this file.
+"""The one registry of drafts and proposers. Whatever trains, loads or exports a draft or
+builds a proposer by method name comes through here (train, evaluate, serve, lm-eval, export).
 
-    draft kind  what a checkpoint's `model.kind` names: its config, model and proposer classes
+    draft kind  what a checkpoint's `model.kind` names: its config, model and proposer classes,
+                the recipe that starts it training (train/recipes.py) and, for a block draft
+                that exports in the speculators format, its architecture there
     method      what evaluate, serve and lm-eval ask for: `none`, `ngram`, one per draft kind
                 (the trained folder `<drafts>/<kind>`), and `hybrid` (a suffix lookup beside
                 the trained draft its config names) -> a builder of its proposer
 
-Both tables refuse a second registration under a taken name: two owners of one name would
-make the winner depend on import order.
+Adding a draft kind is its module plus its `register_draft` call here, its name declared in
+dspark.config (`declare_draft`, where params read it without importing torch). The train
+stage's drafts, the export kinds, the params' choices and the CLI's all follow the registry.
+Both tables refuse a second registration under a taken name.
 """
 
 from __future__ import annotations
@@ -16,12 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar
 
 import torch
 from torch import nn
 
-from dspark.config import HybridConfig, Params
+from dspark.config import DRAFT_NAMES, HybridConfig, Params
 from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
 from dspark.decode.hybrid import HybridProposer
 from dspark.decode.proposers import NgramProposer, NoProposer, Proposer
@@ -32,6 +34,7 @@ from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.models.layers import DraftConfig
 from dspark.models.target import Target
+from dspark.registry import Registry, UnknownName
 from dspark.train.checkpoint import (
     CONFIG,
     FORMAT,
@@ -41,36 +44,7 @@ from dspark.train.checkpoint import (
     load_tensors,
     read_json,
 )
-
-T = TypeVar("T")
-
-
-class UnknownName(LookupError):
-    """A name no implementation is registered under; the caller says where it came from."""
-
-
-class Registry(Generic[T]):
-    """Names to implementations, each name registered once."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self._items: dict[str, T] = {}
-
-    def register(self, name: str, item: T) -> T:
-        if name in self._items:
-            raise ValueError(f"{self.what} {name!r} is already registered")
-        self._items[name] = item
-        return item
-
-    def get(self, name: str) -> T:
-        if name not in self._items:
-            known = ", ".join(repr(n) for n in self._items)
-            raise UnknownName(f"unknown {self.what} {name!r} (known: {known})")
-        return self._items[name]
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(self._items)
-
+from dspark.train.recipes import Recipes, dflash_recipes, dspark_recipes, eagle3_recipes
 
 # --- draft kinds ----------------------------------------------------------------------------
 
@@ -85,7 +59,10 @@ class DraftKind:
     config: type[DraftConfig]  # its `kind` is the name checkpoints carry
     model: type[nn.Module]
     proposer: Callable[[nn.Module, torch.Tensor], Proposer]  # (model, draft_ids)
+    recipes: Recipes  # the drafts of this kind the train stage starts (train/recipes.py)
     build: ModelBuilder | None = None  # default: model(cfg, embed)
+    # Its architecture in the speculators format (a block draft's: export.py); None: no export.
+    export: str | None = None
 
     @property
     def name(self) -> str:
@@ -95,8 +72,8 @@ class DraftKind:
         return self.build(cfg, embed, tensors, where) if self.build else self.model(cfg, embed)
 
 
-def _block_model(cfg, embed, tensors, where: Path) -> DSparkDraft:
-    """DSpark or DFlash: the constructor takes the saved lm_head rows."""
+def block_model(cfg, embed, tensors, where: Path) -> DSparkDraft:
+    """A block draft (DSpark, DFlash): the constructor takes the saved lm_head rows."""
     rows = tensors.get("lm_head.weight")
     if rows is None:
         raise DataError(f"{where}: lm_head.weight missing")
@@ -136,6 +113,11 @@ METHODS: Registry[Builder] = Registry("method")
 
 def register_draft(kind: DraftKind) -> DraftKind:
     """A draft kind, and the method of the same name that loads its trained folder."""
+    if kind.name not in DRAFT_NAMES.names():
+        raise ValueError(
+            f"draft kind {kind.name!r} is not declared in dspark.config (declare_draft), so "
+            "params could not name it"
+        )
     DRAFT_KINDS.register(kind.name, kind)
     METHODS.register(kind.name, lambda ctx: trained_proposer(ctx, kind.name))
     return kind
@@ -156,9 +138,28 @@ def _hybrid(ctx: ProposerContext) -> HybridProposer:
     return HybridProposer(draft, suffix, ctx.target.vocab_size)
 
 
-register_draft(DraftKind(DSparkConfig, DSparkDraft, DSparkProposer, _block_model))
-register_draft(DraftKind(Eagle3Config, Eagle3Draft, Eagle3Proposer))
-register_draft(DraftKind(DFlashConfig, DFlashDraft, DFlashProposer, _block_model))
+# In dspark.config's order (DRAFT_NAMES), which is the order the train stage starts them in.
+register_draft(
+    DraftKind(
+        DSparkConfig,
+        DSparkDraft,
+        DSparkProposer,
+        recipes=dspark_recipes,
+        build=block_model,
+        export="DSparkSpeculator",
+    )
+)
+register_draft(
+    DraftKind(
+        DFlashConfig,
+        DFlashDraft,
+        DFlashProposer,
+        recipes=dflash_recipes,
+        build=block_model,
+        export="DFlashSpeculator",
+    )
+)
+register_draft(DraftKind(Eagle3Config, Eagle3Draft, Eagle3Proposer, recipes=eagle3_recipes))
 METHODS.register("hybrid", _hybrid)
 
 

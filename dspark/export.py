@@ -1,5 +1,6 @@
 """Export the trained block drafts in the speculators format (what speculators' DSparkDraftModel
-and DFlash model and vLLM's speculators loader read), and import such a folder back.
+and DFlash model and vLLM's speculators loader read), and import such a folder back. Which kinds
+export, and as which architecture, is the draft registry's (`DraftKind.export`).
 
 Field names and semantics follow speculators 0.9.0 (`DSparkSpeculatorConfig`, its DFlash base
 `DFlashSpeculatorConfig`, and `DraftVocabMixin`); a DFlash folder is a DSpark one without the
@@ -28,9 +29,9 @@ from pathlib import Path
 
 import torch
 
+from dspark.drafts import DRAFT_KINDS, DraftKind, load_draft
 from dspark.errors import DataError
 from dspark.io import atomic_dir, ensure_writable_dir, write_json
-from dspark.models.dflash import DFlashConfig, DFlashDraft
 from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.layers import LayerShape
 from dspark.train.checkpoint import load_state, load_tensors, read_json, save_tensors
@@ -60,11 +61,12 @@ SPECULATORS_DEFAULTS = {
     },
     "dflash": {"block_size": 8, "draft_vocab_size": 32000, "sample_from_anchor": False},
 }
-# speculators' type -> (its architecture, our config class and model)
-KINDS = {
-    "dspark": ("DSparkSpeculator", DSparkConfig, DSparkDraft),
-    "dflash": ("DFlashSpeculator", DFlashConfig, DFlashDraft),
-}
+
+
+def export_kinds() -> dict[str, DraftKind]:
+    """speculators' type (our kind's name) -> the draft kind, for every kind the registry
+    gives an architecture in that format (`DraftKind.export`)."""
+    return {kind.name: kind for kind in DRAFT_KINDS.values() if kind.export}
 
 
 def speculators_config(
@@ -103,7 +105,7 @@ def speculators_config(
         else {}
     )
     return {
-        "architectures": [KINDS[cfg.kind][0]],
+        "architectures": [DRAFT_KINDS.get(cfg.kind).export],
         "speculators_model_type": cfg.kind,
         "speculators_version": SPECULATORS_VERSION,
         "dtype": dtype,
@@ -195,10 +197,12 @@ def import_speculators(folder: Path, embed: torch.nn.Embedding, lm_head: torch.n
     doc = read_json(folder / "config.json")
     where = folder / "config.json"
     kind = doc.get("speculators_model_type")
-    if kind not in KINDS:
-        raise DataError(f"{where}: speculators_model_type is not one of {', '.join(KINDS)}")
-    _, config_cls, model_cls = KINDS[kind]
-    doc = {**SPECULATORS_DEFAULTS[kind], **doc}
+    kinds = export_kinds()
+    if kind not in kinds:
+        raise DataError(f"{where}: speculators_model_type is not one of {', '.join(kinds)}")
+    config_cls, model_cls = kinds[kind].config, kinds[kind].model
+    # A kind speculators does not know has no defaults there: its export writes every key.
+    doc = {**SPECULATORS_DEFAULTS.get(kind, {}), **doc}
     extensions = (doc.get(DSPARK_KEY) or {}).get("extensions") or {}
     unknown = sorted(set(extensions) - set(EXTENSIONS))
     if unknown:
@@ -248,7 +252,7 @@ def import_speculators(folder: Path, embed: torch.nn.Embedding, lm_head: torch.n
         tensors["lm_head.weight"] = lm_head.weight.detach().clone()
     try:
         model = model_cls(cfg, embed, tensors["lm_head.weight"])
-    except ValueError as e:  # a combination the model refuses, e.g. confidence over rank 0
+    except ValueError as e:  # a combination the model refuses
         raise DataError(f"{where}: {e}") from None
     load_state(model, tensors, folder / "model.safetensors")
     return model, draft_ids
@@ -288,17 +292,17 @@ def verifier_names(
 
 
 def export_stage(params, *, drafts_dir: Path, target_dir: Path, out_dir: Path) -> dict:
-    """The export stage: each block draft the profile trains (DSpark, DFlash) as a speculators
-    folder `out_dir/<kind>`, re-imported and checked against the original. The metrics' top
-    level is DSpark's; DFlash's sit under `dflash`. A profile that trains neither exports
-    nothing (EAGLE-3 has no speculators folder here)."""
-    from dspark.drafts import load_draft
+    """The export stage: each draft the profile trains whose kind exports (the block drafts,
+    DSpark and DFlash) as a speculators folder `out_dir/<kind>`, re-imported and checked
+    against the original. The metrics' top level is DSpark's; another kind's sit under its
+    name. A profile that trains none of them exports nothing (EAGLE-3 has no speculators
+    folder here)."""
     from dspark.models.target import load_target_for, read_manifest
 
     target = load_target_for(params.target, target_dir)
     info = read_manifest(target_dir)
     verifier, local = verifier_names(info, target_dir, params.export.verifier_name_or_path)
-    kinds = [k for k in KINDS if k in params.train.drafts]
+    kinds = [k for k in export_kinds() if k in params.train.drafts]
     out_dir = ensure_writable_dir(Path(out_dir))
     for old in out_dir.iterdir():  # a folder of a draft this profile no longer trains
         if old.name in kinds:

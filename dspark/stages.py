@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dspark.codedeps import closure, imports_of_function
-from dspark.config import MARKOV_ABLATION, Params, read_yaml
+from dspark.config import (
+    DRAFT_NAMES,
+    MARKOV_ABLATION,
+    Params,
+    benchmark_modes,
+    methods,
+    read_yaml,
+)
 from dspark.errors import ConfigError
 from dspark.headline import read_docs, write_table
 from dspark.io import write_json
@@ -339,7 +346,7 @@ STAGES: tuple[Stage, ...] = (
         stop_grace_s=300.0,
         plots=(Plot(TRAIN_CURVES, x="tokens", y="tau_sim"), Plot(TRAIN_CURVES_PNG)),
         artifacts=(TRAIN_CURVES, TRAIN_CURVES_PNG),
-        children=("dspark", "eagle3", "dflash", *MARKOV_ABLATION),
+        children=(*DRAFT_NAMES.names(), *MARKOV_ABLATION),
         register=("dspark", f"{DRAFTS}/dspark", "dspark-draft"),
     ),
     Stage(
@@ -375,7 +382,7 @@ STAGES: tuple[Stage, ...] = (
             Plot("plots/eval.png"),
         ),
         artifacts=(EVAL_REPORT, "plots/eval.png", "plots/eval_tau.csv"),
-        children=("dspark", "eagle3", "dflash", "ngram", "hybrid", "none"),
+        children=methods(),
     ),
     Stage(
         name="benchmark",
@@ -391,18 +398,7 @@ STAGES: tuple[Stage, ...] = (
         report=BENCH_REPORT,
         plots=(Plot("plots/bench.csv", x="concurrency", y="tok_s"), Plot("plots/bench.png")),
         artifacts=(BENCH_REPORT, "plots/bench.png", "plots/bench.csv"),
-        children=(
-            "none",
-            "ngram",
-            "eagle3",
-            "dflash",
-            "dspark_fixed",
-            "dspark_adaptive",
-            "hybrid",
-            "none_vllm",
-            "llamacpp",
-            "llamacpp_lookup",
-        ),
+        children=benchmark_modes(),
     ),
 )
 

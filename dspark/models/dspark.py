@@ -35,7 +35,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from dspark.config import DSparkDraftConfig
+from dspark.config import DSparkDraftConfig, check_heads
 from dspark.models.layers import (
     DraftConfig,
     LayerShape,
@@ -75,6 +75,7 @@ class DSparkConfig(DraftConfig):
     kind: ClassVar[str] = "dspark"
 
     def __post_init__(self):
+        check_heads(self.markov_rank, self.confidence_head, self.confidence_with_markov)
         if self.block_attention not in ("bidirectional", "causal"):
             raise ValueError(f"block_attention: unknown {self.block_attention!r}")
         if self.feature_input not in ("none", "first", "all"):
@@ -251,9 +252,7 @@ class DSparkDraft(nn.Module):
             else None
         )
         self.confidence_head = None
-        if cfg.confidence_head:
-            if cfg.confidence_with_markov and self.markov_head is None:
-                raise ValueError("confidence_with_markov needs markov_rank > 0")
+        if cfg.confidence_head:  # (with Markov input only where there is a head: check_heads)
             extra = cfg.markov_rank if cfg.confidence_with_markov else 0
             self.confidence_head = ConfidenceHead(s.hidden_size + extra)
         self.frozen = {"embed": embed}  # a plain dict: not a submodule, so never saved or trained

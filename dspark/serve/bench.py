@@ -27,7 +27,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.config import BenchmarkConfig, Params
+from dspark.config import BenchmarkConfig, Params, serving_modes
 from dspark.progress import say
 from dspark.records import Records, fingerprint
 from dspark.serve import report
@@ -38,7 +38,10 @@ from dspark.serve.rounds import paired_ratio, per_round, round_max, spread
 from dspark.serve.workload import build_requests
 from dspark.stopping import exit_on_sigterm
 
-SPECULATIVE = ("ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive", "hybrid")
+
+def speculative() -> tuple[str, ...]:
+    """The engine's modes that draft: every one but the target alone."""
+    return tuple(m for m in serving_modes() if m != "none")
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,7 @@ def assemble(params: Params, cells: list[dict]) -> dict:
     # Predicted single-stream speedup: tau x (none's step time / the mode's step time).
     predicted = {}
     none1 = _cell(cells, "none", 1, w)
-    for m in SPECULATIVE:
+    for m in speculative():
         x = _cell(cells, m, 1, w)
         if x and none1 and x.get("tau") and x.get("step_ms") and none1.get("step_ms"):
             predicted[m] = round(x["tau"] * none1["step_ms"] / x["step_ms"], 3)
@@ -192,7 +195,7 @@ def assemble(params: Params, cells: list[dict]) -> dict:
         "predicted_speedup_c1_by_mode": predicted,
         "crossover_concurrency": crossover,
         "goals": goals(cfg, cells, conc, rounds, baseline, best, predicted),
-        "vs_llamacpp": llamacpp_ratios(cells, ("none", *SPECULATIVE)),
+        "vs_llamacpp": llamacpp_ratios(cells, ("none", *speculative())),
     }
 
 
@@ -218,7 +221,7 @@ def goals(cfg: BenchmarkConfig, cells, conc, rounds, baseline, best, predicted) 
     # least the best of every other mode of ours, the target alone included, at every
     # concurrency: round by round, within the noise.
     choosers = [m for m in ("dspark_adaptive", "hybrid") if m in cfg.modes]
-    ours = [m for m in ("none", "none_hf", *SPECULATIVE) if m in (*cfg.modes, "none_hf")]
+    ours = [m for m in ("none", "none_hf", *speculative()) if m in (*cfg.modes, "none_hf")]
     if choosers:
         rows = []
         for m in choosers:
@@ -247,7 +250,7 @@ def goals(cfg: BenchmarkConfig, cells, conc, rounds, baseline, best, predicted) 
     for key, c, workload, goal in cases:
         ratios = {
             m: paired_ratio(rounds(m, c, workload), baseline(c, workload))
-            for m in SPECULATIVE
+            for m in speculative()
             if _cell(cells, m, c, workload)
         }
         ratios = {m: r for m, r in ratios.items() if r is not None}
@@ -257,7 +260,7 @@ def goals(cfg: BenchmarkConfig, cells, conc, rounds, baseline, best, predicted) 
     rows = []
     for c in conc:
         base = _cell(cells, "none", c, w)
-        for m in SPECULATIVE:
+        for m in speculative():
             x = _cell(cells, m, c, w)
             if x and base and base.get("ttft_p50_ms") and x.get("ttft_p50_ms"):
                 extra = x["ttft_p50_ms"] / base["ttft_p50_ms"] - 1

@@ -39,8 +39,6 @@ from dspark.decode.engine import SpecDecoder, keep
 from dspark.decode.sampling import GREEDY, Sampling
 from dspark.serve.scheduler import AdaptiveScheduler, VerifyCost
 
-MODES = ("none", "ngram", "eagle3", "dflash", "dspark_fixed", "dspark_adaptive", "hybrid")
-
 
 @dataclass
 class Request:

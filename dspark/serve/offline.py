@@ -23,18 +23,17 @@ cell draws on all nine, so its offline side pools the nine categories' prompts.
 
 from __future__ import annotations
 
-from dspark.config import CATEGORIES
+from dspark.config import CATEGORIES, DRAFT_NAMES, modes_of
 from dspark.evaluate.stats import pooled_tau, tau_interval
 
-# serving mode -> the evaluated method that drafts the same way
-OFFLINE_METHOD = {
-    "ngram": "ngram",
-    "eagle3": "eagle3",
-    "dflash": "dflash",
-    "dspark_fixed": "dspark",
-    "dspark_adaptive": "dspark",
-    "hybrid": "hybrid",
-}
+
+def offline_method(mode: str) -> str | None:
+    """The evaluated method that drafts the way a serving mode does: n-gram's and the hybrid's
+    own, a draft's for each mode it is served as (dspark_fixed and dspark_adaptive: dspark);
+    None for the target alone and the references beside ours."""
+    if mode in ("ngram", "hybrid"):
+        return mode
+    return next((d for d in DRAFT_NAMES.names() if mode in modes_of(d)), None)
 
 
 # Relative served-vs-offline difference on the same prompts that counts as a gap.
@@ -83,7 +82,7 @@ def served_vs_offline(
         wanted.append((mixed_concurrency, "mix", list(CATEGORIES)))
     for concurrency, cell_workload, categories in wanted:
         for x in cells:
-            method = OFFLINE_METHOD.get(x["mode"])
+            method = offline_method(x["mode"])
             if (
                 method is None
                 or x["concurrency"] != concurrency

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.config import serving_modes
 from dspark.decode.acceptance import AcceptanceMeter
 
 
@@ -85,15 +86,14 @@ def allocate(surv: torch.Tensor, budget: int) -> torch.Tensor:
     return lengths
 
 
-# The speculative modes whose drafts the cost model sizes when `serve.cost_model` is on.
-# dspark_adaptive is the cost model on DSpark's head, always; dspark_fixed is the hand-fixed k
-# the others are measured against, never.
-COST_MODEL_MODES = ("ngram", "eagle3", "dflash", "hybrid")
-
-
 def cost_modelled(mode: str, cost_model: bool) -> bool:
-    """Whether a serving mode's engine profiles the verify cost and plans by it."""
-    return mode == "dspark_adaptive" or (cost_model and mode in COST_MODEL_MODES)
+    """Whether a serving mode's engine profiles the verify cost and plans by it: dspark_adaptive
+    is the cost model on DSpark's head, always; dspark_fixed is the hand-fixed k the others are
+    measured against, never; every other mode of the engine that drafts, when
+    `serve.cost_model` is on."""
+    if mode in ("dspark_adaptive", "dspark_fixed"):
+        return mode == "dspark_adaptive"
+    return cost_model and mode in serving_modes() and mode != "none"
 
 
 @dataclass

@@ -18,14 +18,14 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.config import Params
+from dspark.config import Params, serving_modes
 from dspark.decode.engine import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import Proposer
 from dspark.decode.sampling import Sampling
 from dspark.drafts import ProposerContext, build_proposer
 from dspark.errors import ConfigError, DataError, DsparkError, ResourceError
-from dspark.serve.engine import MODES, ServeEngine, profile_verify_cost
+from dspark.serve.engine import ServeEngine, profile_verify_cost
 from dspark.serve.scheduler import AdaptiveScheduler, cost_modelled
 
 
@@ -58,8 +58,8 @@ def proposer_for(mode: str, params: Params, target, drafts: Path) -> Proposer:
 def build(params: Params, target_dir: Path, drafts: Path, mode: str) -> Served:
     from dspark.models.target import load_target_for, set_threads
 
-    if mode not in MODES:
-        raise ConfigError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
+    if mode not in serving_modes():
+        raise ConfigError(f"mode: {mode!r} is not one of {', '.join(serving_modes())}")
     cfg = params.serve
     set_threads(params.provision.threads)
     target = load_target_for(params.target, target_dir)

@@ -1,5 +1,6 @@
-"""The train stage: the DSpark draft and the EAGLE-3 baseline trained side by side on the same
-hidden states, then written as draft folders with their curves and metrics.
+"""The train stage: the drafts train.drafts names (each started by its kind's recipe,
+train/recipes.py) trained side by side on the same hidden states, then written as draft folders
+with their curves and metrics.
 
     online   (extract.mode online) the trainer consumes the Mooncake stream itself
     offline  (offline, hybrid)     the trainer reads the extract stage's hidden-state shards
@@ -16,7 +17,7 @@ import functools
 import hashlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,13 +27,11 @@ from dspark.codedeps import closure
 from dspark.config import MARKOV_ABLATION, Params, check_ranks
 from dspark.data.shards import iter_samples
 from dspark.data.shards import read_manifest as read_token_manifest
+from dspark.drafts import DRAFT_KINDS
 from dspark.errors import ConfigError, DataError
 from dspark.extract.capture import resolve_aux_layers
 from dspark.io import atomic_dir, atomic_path
 from dspark.metrics import EventLog
-from dspark.models.dflash import DFlashConfig, DFlashDraft
-from dspark.models.dspark import DSparkConfig, DSparkDraft
-from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.models.layers import LayerShape
 from dspark.models.target import Target, load_target_for, read_manifest, set_threads
 from dspark.models.vocab import build_draft_ids, count_tokens
@@ -48,8 +47,7 @@ from dspark.train.distributed import (
     spawn_ranks,
     under_launcher,
 )
-from dspark.train.losses import LossWeights
-from dspark.train.objectives import DSparkObjective, Eagle3Objective
+from dspark.train.recipes import Setup
 from dspark.train.sources import HiddenShards, open_source, split_eval
 from dspark.train.trainer import DraftRun, Trainer, fingerprint
 
@@ -92,138 +90,26 @@ def build_runs(
     mask_id: int,
     device: torch.device = CPU,
 ) -> list[DraftRun]:
-    """The drafts to train, initialized alike (seeded), on `device`."""
-    t = params.train
-    shape = LayerShape.from_hf(target.model.config.to_dict())
-    # The drafts borrow the target's embedding outside their module tree: `.to` would miss it.
-    embed = target.embed.to(device)
-    rows = target.lm_head.weight.detach()[draft_ids].clone()
-    d = t.dspark
-
-    def widened(draft: str, kv_heads: int | None) -> LayerShape:
-        if kv_heads is None:
-            return shape
-        if shape.num_heads % kv_heads:
-            raise ConfigError(
-                f"train.{draft}.num_kv_heads: {kv_heads} does not divide the target's "
-                f"{shape.num_heads} attention heads"
-            )
-        return replace(shape, num_kv_heads=kv_heads)
-
-    # What the two block drafts share: DSpark over DFlash then measures the heads alone.
-    block = dict(
-        layer=widened("dspark", d.num_kv_heads),
-        block_size=d.block_size,
+    """The drafts train.drafts names, each started by its kind's recipe (dspark.drafts), in
+    the registry's order, initialized alike (seeded), on `device`."""
+    setup = Setup(
+        params=params,
+        target=target,
+        shape=LayerShape.from_hf(target.model.config.to_dict()),
+        # The drafts borrow the target's embedding outside their module tree: `.to` would miss it.
+        embed=target.embed.to(device),
+        rows=target.lm_head.weight.detach()[draft_ids].clone(),
+        draft_ids=draft_ids,
         aux_layers=tuple(aux_layers),
-        vocab_size=target.vocab_size,
-        draft_vocab_size=int(draft_ids.numel()),
-        mask_token_id=mask_id,
-        context_scale=d.context_scale,
-        sample_from_anchor=d.sample_from_anchor,
-        block_attention=d.block_attention,
-        feature_input=d.feature_input,
+        mask_id=mask_id,
+        device=device,
     )
-    base = DSparkConfig(
-        num_layers=d.num_layers,
-        **block,
-        markov_rank=d.markov_rank,
-        markov_head=d.markov_head,
-        confidence_head=d.confidence_head,
-        confidence_with_markov=d.confidence_with_markov and d.markov_rank > 0,
-    )
-    dspark_weights = LossWeights(
-        ce=d.ce_weight,
-        tv=d.tv_weight,
-        kl=d.kl_weight,
-        gamma=d.gamma,
-        confidence=d.confidence_weight,
-    )
-    runs: list[DraftRun] = []
-
-    def add_dspark(name: str, cfg: DSparkConfig) -> None:
-        torch.manual_seed(t.seed)
-        model = DSparkDraft(cfg, embed, rows)
-        with torch.no_grad():
-            model.norm.weight.copy_(target.norm.weight * d.output_scale)
-        model.set_qk_gain(d.qk_norm_init)
-        model.to(device)
-        runs.append(
-            DraftRun(
-                name=name,
-                model=model,
-                objective=DSparkObjective(dspark_weights, d.max_anchors),
-                eval_objective=DSparkObjective(dspark_weights, None),
-                optim=d.optim,
-                slots=cfg.draft_slots,
-            )
-        )
-
-    if "dspark" in t.drafts:
-        add_dspark("dspark", base)
-        if t.markov_ablation:
-            for name, changes in MARKOV_ABLATION.items():
-                cfg = replace(base, **changes)
-                # Without a Markov head the confidence head has no Markov input to see.
-                with_markov = base.confidence_with_markov and cfg.markov_rank > 0
-                add_dspark(name, replace(cfg, confidence_with_markov=with_markov))
-    if "dflash" in t.drafts:
-        f = t.dflash
-        layer = widened("dflash", f.num_kv_heads) if f.num_kv_heads else block["layer"]
-        own = {  # the study's levers DFlash sets apart from DSpark's
-            k: getattr(f, k)
-            for k in ("sample_from_anchor", "block_attention", "feature_input")
-            if getattr(f, k) is not None
-        }
-        cfg = DFlashConfig(
-            num_layers=f.num_layers or d.num_layers, **{**block, "layer": layer, **own}
-        )
-        torch.manual_seed(t.seed)
-        model = DFlashDraft(cfg, embed, rows)
-        with torch.no_grad():
-            model.norm.weight.copy_(target.norm.weight * f.output_scale)
-        model.set_qk_gain(f.qk_norm_init or d.qk_norm_init)
-        model.to(device)
-        # Its authors' loss, CE alone, unless a sweep adds the KL lever.
-        weights = LossWeights(ce=1.0, tv=0.0, kl=f.kl_weight, gamma=f.gamma)
-        runs.append(
-            DraftRun(
-                name="dflash",
-                model=model,
-                objective=DSparkObjective(weights, f.max_anchors or d.max_anchors),
-                eval_objective=DSparkObjective(weights, None),
-                optim=f.optim,
-                slots=cfg.draft_slots,
-            )
-        )
-    if "eagle3" in t.drafts:
-        e = t.eagle3
-        cfg = Eagle3Config(
-            layer=shape,
-            num_aux=len(aux_layers),
-            aux_layers=tuple(aux_layers),
-            vocab_size=target.vocab_size,
-            draft_vocab_size=int(draft_ids.numel()),
-            ttt_steps=e.ttt_steps or d.block_size,
-        )
-        torch.manual_seed(t.seed)
-        model = Eagle3Draft(cfg, embed)
-        model.init_from_target(target.norm, target.lm_head, draft_ids)
-        with torch.no_grad():
-            model.norm.weight.mul_(e.output_scale)
-        model.lm_head.requires_grad_(False)  # frozen, as speculators and DSpark keep it
-        model.to(device)
-        weights = LossWeights(ce=0.0, tv=0.0, kl=1.0, gamma=None, decay=e.loss_decay)
-        runs.append(
-            DraftRun(
-                name="eagle3",
-                model=model,
-                objective=Eagle3Objective(weights, e.max_anchors),
-                eval_objective=Eagle3Objective(weights),
-                optim=e.optim,
-                slots=cfg.ttt_steps,
-            )
-        )
-    return runs
+    return [
+        DraftRun(**vars(recipe))
+        for kind in DRAFT_KINDS.values()
+        if kind.name in params.train.drafts
+        for recipe in kind.recipes(setup)
+    ]
 
 
 @dataclass

@@ -38,6 +38,7 @@ from dspark.train.diagnostics import CopyBias, recent_tokens
 from dspark.train.distributed import Part, Ranks, data_parallel
 from dspark.train.losses import AcceptanceStats
 from dspark.train.objectives import anchor_candidates
+from dspark.train.recipes import Recipe
 from dspark.train.sources import Source, epoch_plan
 
 STATE = "state.json"
@@ -78,15 +79,10 @@ def settle(device: torch.device) -> None:
 
 
 @dataclass
-class DraftRun:
-    """One draft in training: its model, objective, optimizer and record."""
+class DraftRun(Recipe):
+    """One draft in training: its recipe (model, objective, optimizer settings), its optimizer
+    and its record."""
 
-    name: str
-    model: nn.Module
-    objective: Callable  # (model, batch, generator) -> slot_losses' dict
-    eval_objective: Callable
-    optim: OptimConfig
-    slots: int  # tokens drafted per step (block size or TTT depth)
     wall_s: float = 0.0
     # [wall_s, tokens, tau_sim, tau_greedy] per held-out evaluation (checkpoints of older code
     # hold the first three)

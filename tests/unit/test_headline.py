@@ -2,9 +2,8 @@
 `dvc metrics show -R metrics/headline metrics/full/headline` fits a 100-column terminal."""
 
 import json
-from typing import get_args
 
-from dspark.config import Method
+from dspark.config import methods
 from dspark.headline import (
     DATA_COLUMN,
     HEADLINE_DIR,
@@ -87,7 +86,7 @@ def widest(prefix: str, columns: list[str]) -> dict[str, dict]:
 def test_the_widest_table_fits_a_terminal():
     """Every method the config knows, beside the committed full run's folder (the longer
     path), as `dvc metrics show` prints them."""
-    columns = [m for m in get_args(Method) if m != "none"] + [DATA_COLUMN]
+    columns = [m for m in methods() if m != "none"] + [DATA_COLUMN]
     files = {**widest("metrics", columns), **widest("metrics/full", columns)}
     lines = dvc_metrics_show(files)
     assert len(lines) == 1 + 2 * len(TABLE_ROWS)
@@ -115,10 +114,7 @@ def test_a_small_runs_summary_shows_the_full_runs_table_beside_its_own(tmp_path)
     assert lines[at + 6] == f"    data_tok_s  {DATA_COLUMN} - / 324"
     assert "headline, this run" not in summary(small, "http://mlflow", "full")
     # Every method at its widest figure still fits a terminal.
-    wide = {
-        row: dict.fromkeys([m for m in get_args(Method) if m != "none"], 12345)
-        for row in TABLE_ROWS
-    }
+    wide = {row: dict.fromkeys([m for m in methods() if m != "none"], 12345) for row in TABLE_ROWS}
     text = summary({}, "x", "default", full=("metrics/full", wide))
     block = text.split("committed full run")[1].split("where to look")[0].splitlines()[1:]
     assert block and max(map(len, block)) <= TERMINAL

@@ -4,19 +4,18 @@ every kind round-trips through a checkpoint, names are owned once, bad input is 
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import get_args
 
 import pytest
 import torch
 from torch import nn
 
 from dspark.config import (
+    DRAFT_NAMES,
     MARKOV_ABLATION,
-    BenchmarkConfig,
-    EvaluateConfig,
     HybridConfig,
-    LmEvalConfig,
-    TrainConfig,
+    benchmark_modes,
+    methods,
+    serving_modes,
 )
 from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
 from dspark.decode.hybrid import HybridProposer
@@ -39,6 +38,7 @@ from dspark.models.dflash import DFlashConfig, DFlashDraft
 from dspark.models.dspark import DSparkConfig, DSparkDraft
 from dspark.models.eagle3 import Eagle3Config, Eagle3Draft
 from dspark.train.checkpoint import save_draft
+from dspark.train.recipes import dspark_recipes
 
 from .test_drafts import SHAPE, VOCAB
 
@@ -104,7 +104,7 @@ def test_a_name_registers_once():
 def test_a_draft_kind_registered_twice_is_refused_and_changes_nothing():
     before = (DRAFT_KINDS.names(), METHODS.names())
     with pytest.raises(ValueError, match="draft kind 'dspark' is already registered"):
-        register_draft(DraftKind(DSparkConfig, DSparkDraft, DSparkProposer))
+        register_draft(DraftKind(DSparkConfig, DSparkDraft, DSparkProposer, dspark_recipes))
     with pytest.raises(ValueError, match="method 'ngram' is already registered"):
         METHODS.register("ngram", lambda ctx: NoProposer())
     assert (DRAFT_KINDS.names(), METHODS.names()) == before
@@ -116,12 +116,20 @@ def test_every_draft_kind_is_a_method():
 
 
 def test_the_params_schema_offers_exactly_the_registered_methods():
-    """The schema's choices are literal (no torch in config.py); this keeps them in step."""
-    for field in (EvaluateConfig.model_fields["methods"], LmEvalConfig.model_fields["methods"]):
-        (choice,) = get_args(field.annotation)
-        assert set(get_args(choice)) == set(METHODS.names())
-    (kinds,) = get_args(TrainConfig.model_fields["drafts"].annotation)
-    assert set(get_args(kinds)) == set(DRAFT_KINDS.names())
+    """The schema reads the names declared in config.py (no torch there); this keeps them the
+    registry's, in its order (the train stage's)."""
+    assert DRAFT_NAMES.names() == DRAFT_KINDS.names() == ("dspark", "dflash", "eagle3")
+    assert set(methods()) == set(METHODS.names())
+
+
+def test_a_kind_params_cannot_name_is_refused():
+    class MedusaConfig(DSparkConfig):
+        kind = "medusa"
+
+    before = DRAFT_KINDS.names()
+    with pytest.raises(ValueError, match=r"'medusa' is not declared in dspark\.config"):
+        register_draft(DraftKind(MedusaConfig, DSparkDraft, DSparkProposer, dspark_recipes))
+    assert DRAFT_KINDS.names() == before
 
 
 def test_every_method_builds(drafts):
@@ -202,12 +210,11 @@ def test_an_unknown_kind_is_one_line_naming_the_file(drafts):
 
 def test_every_serve_mode_serves_a_registered_method(drafts):
     from dspark.config import load_params
-    from dspark.serve.engine import MODES
     from dspark.serve.server import proposer_for
 
     folder, embed, _, _ = drafts
     params = load_params(ROOT / "params.yaml", profile="smoke")
-    built = {m: proposer_for(m, params, FakeTarget(embed), folder) for m in MODES}
+    built = {m: proposer_for(m, params, FakeTarget(embed), folder) for m in serving_modes()}
     assert {m: p.name for m, p in built.items()} == {
         "none": "none",
         "ngram": "ngram",
@@ -226,13 +233,12 @@ def test_every_serve_mode_serves_a_registered_method(drafts):
 def test_every_mode_is_served_benchmarked_and_compared_offline():
     """The schema's modes, the engine's, the benchmark's speculative ones and the offline
     comparison's are one list: a mode added to one and not the others fails here."""
-    from dspark.serve.bench import SPECULATIVE
-    from dspark.serve.engine import MODES
+    from dspark.serve.bench import speculative
     from dspark.serve.llamacpp_mode import MODES as PEER_MODES
-    from dspark.serve.offline import OFFLINE_METHOD
+    from dspark.serve.offline import offline_method
 
-    (choice,) = get_args(BenchmarkConfig.model_fields["modes"].annotation)
     # vLLM's server and llama.cpp's (the peer) are no engine modes
-    assert set(get_args(choice)) == {*MODES, "none_vllm", *PEER_MODES}
-    assert set(SPECULATIVE) == set(MODES) - {"none"} == set(OFFLINE_METHOD)
-    assert set(OFFLINE_METHOD.values()) <= set(METHODS.names())
+    assert set(benchmark_modes()) == {*serving_modes(), "none_vllm", *PEER_MODES}
+    assert set(speculative()) == set(serving_modes()) - {"none"}
+    assert {m for m in benchmark_modes() if offline_method(m)} == set(speculative())
+    assert {offline_method(m) for m in speculative()} <= set(METHODS.names())

@@ -225,13 +225,13 @@ def test_a_request_with_nothing_to_propose_does_not_pull_down_the_budget():
 
 
 def test_which_modes_the_cost_model_plans():
-    from dspark.serve.engine import MODES
+    from dspark.config import serving_modes
 
-    assert {m for m in MODES if cost_modelled(m, True)} == {
+    assert {m for m in serving_modes() if cost_modelled(m, True)} == {
         "ngram", "eagle3", "dflash", "hybrid", "dspark_adaptive",
     }  # fmt: skip
     # Off, only the mode that is the cost model on a head; dspark_fixed never: its k is fixed.
-    assert {m for m in MODES if cost_modelled(m, False)} == {"dspark_adaptive"}
+    assert {m for m in serving_modes() if cost_modelled(m, False)} == {"dspark_adaptive"}
 
 
 def test_a_probe_after_a_long_pause_is_not_held_off_by_the_stale_curve():
