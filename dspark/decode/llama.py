@@ -102,7 +102,7 @@ def causal_rows(q, k, v, lengths: list[int]) -> torch.Tensor:
     """A ragged prefill's attention, each row alone on SDPA's causal kernel over its own tokens
     -> [B, T, nh*d], zeros at the padding (packed out after). One explicit mask for the batch
     would attend every row over the longest row's width: 32 prompts of 50 to 1,500 tokens then
-    cost what 32 of 1,500 do (evals/bench_prefill.py). q [B, nh, T, d]; k, v [B, nkv, T, d]."""
+    cost what 32 of 1,500 do (benchmarks/prefill.py). q [B, nh, T, d]; k, v [B, nkv, T, d]."""
     b, nh, t, d = q.shape
     out = q.new_zeros(b, t, nh * d)
     for r, n in enumerate(lengths):

@@ -146,7 +146,7 @@ def gqa_attention(
 
     `mask=None` is plain causal attention of N queries over the same N positions (a prefill from
     position 0). SDPA's causal kernel then skips the masked half: a whole 8,000-token prefill
-    of SmolLM2 took 30.5 s against the explicit mask's 63.3 here (evals/bench_prefill.py)."""
+    of SmolLM2 took 30.5 s against the explicit mask's 63.3 here (benchmarks/prefill.py)."""
     b, nh, n, d = q.shape
     nkv, m = k.shape[1], k.shape[2]
     if mask is None:

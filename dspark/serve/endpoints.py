@@ -23,7 +23,7 @@ def server_env() -> dict[str, str]:
     allocations unless THP_MEM_ALLOC_ENABLE is set already (0 turns them off). A decode step
     reads every weight once, so it is bound by memory: one-token steps of SmolLM2 took a median
     46.5 against 57.8 ms at one row and 73.9 against 83.1 at eight, each figure over 3 fresh
-    processes (evals/bench_decode_step.py). torch reads the variable at its first allocation,
+    processes (benchmarks/decode_step.py). torch reads the variable at its first allocation,
     which is why it goes in before the process starts. Training keeps 4 KB pages: measured side
     by side it gained nothing from huge pages (README, Serving: Huge pages)."""
     return {"THP_MEM_ALLOC_ENABLE": "1", **os.environ, "PYTHONUNBUFFERED": "1"}

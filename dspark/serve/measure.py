@@ -66,7 +66,7 @@ def measure(
     machine's drift shows in every one alike (on this shared 2-core machine one mode's step
     time moves 15% between loads); and each round measures every mode in a new process, so
     the medians over rounds also sample the luck of the process (the same one-token step
-    differs by up to 30% from one process to the next: evals/bench_decode_step.py). Rounds are
+    differs by up to 30% from one process to the next: benchmarks/decode_step.py). Rounds are
     merged per cell by `rounds.merge_rounds`. `single` measures one more cell beside the
     single-stream ones (transformers' generate). The verify-cost tables the endpoints profiled
     at start ({mode: table}) go into `verify_costs`, one entry per start that measured cells.

@@ -8,7 +8,7 @@ from ..conftest import ROOT, tool_env
 
 
 def test_help_lists_the_stages_and_imports_nothing_heavy():
-    """What keeps `--help` fast: lazy imports. Its time is measured by evals/bench_cli.py, not
+    """What keeps `--help` fast: lazy imports. Its time is measured by benchmarks/cli.py, not
     asserted here (a shared machine's load would decide a timed test)."""
     res = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "dspark", "--help"],

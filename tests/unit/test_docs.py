@@ -119,15 +119,18 @@ def test_the_checks_catch_what_they_should():
 
 
 # metrics/'s layout: at the top, what the stages write (each stage's file, the run summary, the
-# two reports) and these folders. One-off studies and the evals/ scripts write into studies/.
+# two reports) and these folders. One-off studies and the scripts of SCRIPT_FOLDERS write into
+# studies/.
 METRICS_FOLDERS = {
     "full": "the full profile's committed run, as it wrote metrics/",
     "sweeps": "the sweeps' tables (flows/sweep.py)",
     "gpu": "the GPU checks (infra/gpu/)",
-    "studies": "one-off studies and the evals/ scripts' outputs, each named by its page",
+    "studies": "one-off studies' and the scripts' (SCRIPT_FOLDERS) outputs, each named by its page",
     "headline": "the working profile's headline table (dspark.headline)",
 }
 STUDIES = "metrics/studies/"
+# The scripts run by hand: draft-quality studies (evals/) and speed benchmarks (benchmarks/).
+SCRIPT_FOLDERS = ("evals", "benchmarks")
 # A metrics path as a script spells it: `metrics/x.json`, or ROOT / "metrics" / "x.json".
 METRICS_PATH = re.compile(r"metrics/[\w./-]+\.(?:json|csv|md)")
 
@@ -141,7 +144,7 @@ def stage_outputs() -> set[str]:
 
 def metrics_layout_problems(root: Path, pages: str, written: set[str]) -> list[str]:
     """What breaks the layout: a top-level file no stage writes, an unknown folder, a study
-    output no page names by its path, a script under evals/ whose output lands outside it."""
+    output no page names by its path, a script of SCRIPT_FOLDERS whose output lands outside it."""
     problems = []
     for entry in sorted((root / "metrics").iterdir()):
         rel = entry.relative_to(root).as_posix()
@@ -153,7 +156,8 @@ def metrics_layout_problems(root: Path, pages: str, written: set[str]) -> list[s
         if f.is_file() and (rel := f.relative_to(root).as_posix()) not in pages:
             problems.append(f"{rel}: named by no page in README.md, CHANGELOG.md or docs/")
     kept = tuple(f"metrics/{name}/" for name in METRICS_FOLDERS if name != "headline")
-    for script in sorted((root / "evals").glob("*.py")):
+    scripts = sorted(p for folder in SCRIPT_FOLDERS for p in (root / folder).glob("*.py"))
+    for script in scripts:
         text = re.sub(r'"\s*/\s*"', "/", script.read_text())  # "metrics" / "x" -> "metrics/x"
         for path in METRICS_PATH.findall(text):
             if path not in written and not path.startswith(kept):
@@ -174,8 +178,11 @@ def test_the_layout_check_catches_a_stray_file(tmp_path):
     for rel in ("metrics/eval.json", "metrics/full/x.json", "metrics/studies/told.json"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("{}")
-    (tmp_path / "evals").mkdir()
-    (tmp_path / "evals/good.py").write_text('OUT = ROOT / "metrics" / "studies" / "a.json"\n')
+    for folder in SCRIPT_FOLDERS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "good.py").write_text(
+            'OUT = ROOT / "metrics" / "studies" / "a.json"\n'
+        )
     written, pages = {"metrics/eval.json"}, "see `metrics/studies/told.json`"
     assert metrics_layout_problems(tmp_path, pages, written) == []
 
@@ -184,11 +191,13 @@ def test_the_layout_check_catches_a_stray_file(tmp_path):
     (tmp_path / "metrics/studies/untold.json").write_text("{}")
     bad = '"""Writes metrics/x.json."""\nOUT = ROOT / "metrics" / "y.json"\n'
     (tmp_path / "evals/bad.py").write_text(bad)
+    (tmp_path / "benchmarks/bad.py").write_text('OUT = ROOT / "metrics/headline/z.json"\n')
     found = metrics_layout_problems(tmp_path, pages, written)
     assert [p.split(":")[0] for p in found] == [
         "metrics/bench/",
         "metrics/study.json",
         "metrics/studies/untold.json",
+        "benchmarks/bad.py",
         "evals/bad.py",
         "evals/bad.py",
     ]

@@ -1,7 +1,7 @@
 """On-policy data plane benchmark: prompt and response tokens whose aux hidden states are ready for
 the trainer, per wall-second, for each way of producing them, side by side on the same prompts.
 
-    python -m evals.bench_onpolicy [--prompts 32] [--max-new 128] [--batches 16,32] \
+    python -m benchmarks.onpolicy [--prompts 32] [--max-new 128] [--batches 16,32] \
         [--out metrics/studies/onpolicy.json]
 
   transformers+capture  today's default path: transformers' batched generate (the prepare
@@ -35,7 +35,7 @@ from dspark.data.shards import TokenSample, iter_samples
 from dspark.decode.llama import Llama
 from dspark.decode.replay import decode_recorded
 from dspark.extract.capture import HiddenStateCapture, resolve_aux_layers
-from dspark.metrics import write_metrics
+from dspark.metrics import cpu_features, write_metrics
 from dspark.models.target import load_target_for, set_threads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['ratio_to_today']:>8} {'' if diff is None else f'{diff:.1e}':>9}"
         )
     payload = {"prompts": len(prompts), "max_new_tokens": args.max_new, "runs": rows}
+    payload["cpu"] = cpu_features()
     write_metrics(args.out, params.profile, payload)
 
 

@@ -1,7 +1,7 @@
 """Decode-step benchmark: the target's one-token step, process by process, with and without
 transparent huge pages for torch's CPU allocations.
 
-    python -m evals.bench_decode_step [--processes 3] [--rows 1 8] [--context 300] [--steps 40]
+    python -m benchmarks.decode_step [--processes 3] [--rows 1 8] [--context 300] [--steps 40]
 
 A decode step reads every weight once (540 MB for SmolLM2 in fp32), so its time depends on how
 the weights sit in memory, and that is fixed when a process loads them: two processes running
@@ -27,7 +27,7 @@ import torch
 
 from dspark.config import load_params
 from dspark.decode.llama import Llama
-from dspark.metrics import write_metrics
+from dspark.metrics import cpu_features, write_metrics
 from dspark.models.target import load_target_for, set_threads
 from dspark.stages import TARGET_DIR
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (ROOT / "artifacts" / "target").exists():
         raise SystemExit("artifacts/target: missing (run `dspark provision` first)")
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
-    child = [sys.executable, "-m", "evals.bench_decode_step", "--child", "--rows"]
+    child = [sys.executable, "-m", "benchmarks.decode_step", "--child", "--rows"]
     child += [str(b) for b in args.rows] + ["--context", str(args.context)]
     child += ["--steps", str(args.steps)]
     for _ in range(args.processes):
@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
             env = {**os.environ, "THP_MEM_ALLOC_ENABLE": flag}
             done = subprocess.run(child, cwd=ROOT, env=env, capture_output=True, text=True)
             if done.returncode:
-                raise SystemExit(f"bench_decode_step: a measuring process failed:\n{done.stderr}")
+                raise SystemExit(
+                    f"benchmarks.decode_step: a measuring process failed:\n{done.stderr}"
+                )
             runs[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
     table = []
     for b in args.rows:
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         print(f"{'':>4} {'4K / huge':>10} {row['speedup']:>10.2f}")
     doc = {
+        "cpu": cpu_features(),
         "context": args.context,
         "steps": args.steps,
         "processes": args.processes,

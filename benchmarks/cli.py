@@ -1,6 +1,6 @@
 """CLI benchmark: the wall time of `dspark --help` in a fresh process, over repeated runs.
 
-    python -m evals.bench_cli [--runs 20] [--warmup 2] [--out metrics/studies/cli.json]
+    python -m benchmarks.cli [--runs 20] [--warmup 2] [--out metrics/studies/cli.json]
 
 What a user waits for at the prompt: the interpreter, the `dspark` entry point, argparse. The
 suite checks what keeps it fast (no heavy import on the `--help` path, tests/integration/
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from dspark.config import load_params
-from dspark.metrics import write_metrics
+from dspark.metrics import cpu_features, write_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = Path(sys.executable).parent / "dspark"  # the console script a user runs
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             4,
         ),
         "slowest_imports": slowest_imports(),
+        "cpu": cpu_features(),
         "cpus": os.cpu_count(),
         "load_1min": round(os.getloadavg()[0], 2),
     }

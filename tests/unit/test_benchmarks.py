@@ -1,12 +1,12 @@
-"""evals/bench_pass.py on the tiny target: every k gets the engine's pass, its multiplies and a
-floor, the table's ratios are what its columns say, and the 1- and 2-token passes carry an
+"""benchmarks/target_pass.py on the tiny target: every k gets the engine's pass, its multiplies
+and a floor, the table's ratios are what its columns say, and the 1- and 2-token passes carry an
 operator profile that accounts for the whole pass."""
 
 import json
 
 import pytest
 
-from evals import bench_pass
+from benchmarks import target_pass
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def drafts(tiny_target, tmp_path_factory):
 
 def test_the_pass_is_set_against_its_multiplies_and_its_floor(tiny_target_dir, drafts, tmp_path):
     out = tmp_path / "pass.json"
-    bench_pass.main(
+    target_pass.main(
         ["--tokens", "1", "2", "5", "--context", "24", "--repeats", "3", "--threads", "1",
          "--bandwidth-gib", "0.02", "--target", str(tiny_target_dir), "--drafts", str(drafts),
          "--out", str(out)]
@@ -48,10 +48,10 @@ def test_the_bytes_a_pass_reads_are_its_weights_and_its_context(tiny_target):
     from dspark.decode.llama import Llama
 
     model = Llama.from_hf(tiny_target.model)
-    p = bench_pass.Pass(model, 10, 3, torch.Generator().manual_seed(0))
+    p = target_pass.Pass(model, 10, 3, torch.Generator().manual_seed(0))
     s = model.s
-    weights = sum(w.numel() for w in bench_pass.weights(model)) * 4
+    weights = sum(w.numel() for w in target_pass.weights(model)) * 4
     kv = 2 * len(model.layers) * s.num_kv_heads * s.head_dim * 13 * 4
     assert p.bytes_read() == weights + kv
     assert p.multiply_adds() == 3 * weights // 4
-    assert any(w is model.lm_head.weight for w in bench_pass.weights(model))
+    assert any(w is model.lm_head.weight for w in target_pass.weights(model))

@@ -1,6 +1,6 @@
 """Training-step benchmark: where a step's time goes, and what the target's cached top-k saves.
 
-    python -m evals.bench_train_step [--profile P] [--batches 6] [--k 64]
+    python -m benchmarks.train_step [--profile P] [--batches 6] [--k 64]
 
 Reads the extract stage's shards (artifacts/hidden) and the trainer's own drafts as
 `train.*` configures them. Each batch is collated two ways, in turn, and every draft takes one
@@ -31,7 +31,7 @@ import torch
 
 from dspark.config import load_params
 from dspark.extract.capture import resolve_aux_layers, topk_logprobs
-from dspark.metrics import write_metrics
+from dspark.metrics import cpu_features, write_metrics
 from dspark.models.target import load_target_for, set_threads
 from dspark.models.vocab import build_draft_ids, count_tokens
 from dspark.schema import Sample
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
 
     doc = {
         "target": target.name,
+        "cpu": cpu_features(),
         "threads": threads,
         "k": k,
         "topk_from_shards": shipped,

@@ -1,7 +1,7 @@
 """Prefill benchmark: our Llama's prefill on the real target, the causal kernel against the
 explicit mask, side by side: one long prompt, and the evaluation's own ragged batches.
 
-    python -m evals.bench_prefill [--profile P] [--lengths 1024 4096 8000] [--repeats 2]
+    python -m benchmarks.prefill [--profile P] [--lengths 1024 4096 8000] [--repeats 2]
                                   [--eval-batches N]
 
 A prefill from position 0 over whole rows takes SDPA's causal kernel (no mask); any other call
@@ -33,7 +33,7 @@ from dspark.config import LONG_CATEGORIES, Params, load_params
 from dspark.data.prompts import read_prompt_file
 from dspark.decode.llama import Llama
 from dspark.evaluate.stage import batches, select_prompts
-from dspark.metrics import write_metrics
+from dspark.metrics import cpu_features, write_metrics
 from dspark.models.target import load_target_for, materialize, set_threads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         params.profile,
         {
             "target": target.name,
+            "cpu": cpu_features(),
             "threads": threads,
             "repeats": args.repeats,
             "rows": rows,

@@ -1,6 +1,6 @@
 """Stream benchmark: bytes per token, transport throughput and CPU cost, and a live stream.
 
-    python -m evals.bench_stream [--profile P] [--repeats 3] [--samples 16]
+    python -m benchmarks.stream [--profile P] [--repeats 3] [--samples 16]
 
 Needs the prepare stage's outputs (artifacts/target, artifacts/shards). Payloads are real
 captured samples. Transports are measured side by side, alternating A B C A B C, each between
@@ -29,7 +29,7 @@ from dspark.config import load_params
 from dspark.data.shards import iter_samples
 from dspark.extract.capture import HiddenStateCapture, resolve_aux_layers
 from dspark.extract.stage import MOONCAKE_ENV, open_stream
-from dspark.metrics import write_metrics
+from dspark.metrics import cpu_features, write_metrics
 from dspark.models.target import load_target
 from dspark.schema import WIRE_DTYPES, Sample
 from dspark.transport.master import MooncakeMaster, master_binary
@@ -105,7 +105,7 @@ def _receive(
         [
             sys.executable,
             "-m",
-            "evals.bench_stream",
+            "benchmarks.stream",
             "--send",
             transport,
             str(payload_file),
@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
     live = stall_fraction(params, shards_dir, target_dir, target.hidden_size)
     doc = {
+        "cpu": cpu_features(),
         "transport": x.transport,
         "wire_dtype": x.wire_dtype,
         "payload_samples": len(samples),

@@ -1,7 +1,7 @@
 """What reproducible extraction costs: the producers' on-policy decoder with and without
 row-invariant decoding (dspark/decode/llama.py), side by side on the same prompts.
 
-    python -m evals.bench_row_invariant [--prompts 64] [--max-new 128] [--rows 64] [--rounds 2]
+    python -m benchmarks.row_invariant [--prompts 64] [--max-new 128] [--rows 64] [--rounds 2]
 
 Each round decodes every prompt both ways, in turn (plain first, then row-invariant, then the
 other order in the next round), as one producer does: `--rows` rows continuously batched, one
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.onpolicy import prompts_of
 from dspark.config import load_params
 from dspark.decode.llama import Llama
 from dspark.extract.capture import resolve_aux_layers
 from dspark.extract.onpolicy import OnPolicyDecoder
-from dspark.metrics import write_metrics
+from dspark.metrics import cpu_features, write_metrics
 from dspark.models.target import load_target_for, set_threads
-from evals.bench_onpolicy import prompts_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r['decoding']:<14} {r['tokens']:>7} {r['tok_s_best']:>11}  {r['wall_s']}")
     print(f"row-invariant / plain: {ratio}; answers identical: {same} of {len(prompts)}")
     payload = {
+        "cpu": cpu_features(),
         "prompts": len(prompts),
         "max_new_tokens": args.max_new,
         "rows": args.rows,

@@ -1,7 +1,8 @@
 """The target's pass against its floor: for k tokens in one row, what the engine's forward
 costs, what its matrix multiplies alone cost, and what reading its bytes must cost.
 
-    python -m evals.bench_pass [--tokens 1 2 3 4 6 8 12 16 24 32] [--context 300] [--repeats 15]
+    python -m benchmarks.target_pass [--tokens 1 2 3 4 6 8 12 16 24 32] [--context 300] \
+        [--repeats 15]
 
 A decode pass of a few tokens reads every weight once (about 540 MB for SmolLM2 in fp32) and
 does little arithmetic on each, so its floor is the bytes it must read (weights, and the keys
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out,
         params.profile,
         {
-            "command": "python -m evals.bench_pass "
+            "command": "python -m benchmarks.target_pass "
             + " ".join(sys.argv[1:] if argv is None else argv),
             "cpu": cpu_features(),
             "threads": threads,

@@ -2,7 +2,7 @@
 (issue 20): the same cells, side by side, from a server that ran the sweep's earlier cells
 and from one that did not, with what each server did per step.
 
-    python -m evals.bench_adaptive [--profile default] [--concurrency 8] [--rounds 4] \
+    python -m benchmarks.adaptive [--profile default] [--concurrency 8] [--rounds 4] \
         [--history 1,2,4] [--requests N] [--out metrics/studies/bench_adaptive.json]
 
 Three endpoints of the profile's target and drafts (its artifacts here), up at once as the
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dspark.config import load_params
 from dspark.io import write_json
+from dspark.metrics import cpu_features
 from dspark.net import free_port
 from dspark.serve.endpoints import EndpointProcess
 from dspark.serve.measure import run_cell, run_client
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
                     flush=True,
                 )
     result = {"profile": params.profile, "concurrency": args.concurrency, "history": history}
+    result["cpu"] = cpu_features()
     result["summary"] = summarize(rows, args.concurrency)
     result["cells"] = rows
     print(table(result["summary"]))
