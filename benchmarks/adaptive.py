@@ -5,8 +5,8 @@ and from one that did not, with what each server did per step.
     python -m benchmarks.adaptive [--profile default] [--concurrency 8] [--rounds 4] \
         [--history 1,2,4] [--requests N] [--out metrics/studies/bench_adaptive.json]
 
-Three endpoints of the profile's target and drafts (its artifacts here), up at once as the
-benchmark runs them:
+Three endpoints of the profile's target and drafts (its artifacts here, or `--target`, `--drafts`
+and `--prompts`), up at once as the benchmark runs them:
   none       the target alone
   seasoned   dspark_adaptive, first driven through the `--history` cells (as a sweep does)
   fresh      dspark_adaptive, first used at `--concurrency`
@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="per measured cell, at least the concurrency (history cells: the profile's count)",
     )
+    ap.add_argument("--target", type=Path, default=ROOT / TARGET_DIR)
+    ap.add_argument("--drafts", type=Path, default=ROOT / DRAFTS)
+    ap.add_argument("--prompts", type=Path, default=ROOT / EVAL_PROMPTS)
     ap.add_argument("--out", type=Path, default=ROOT / "metrics/studies/bench_adaptive.json")
     args = ap.parse_args(argv)
 
@@ -77,11 +80,11 @@ def main(argv: list[str] | None = None) -> dict:
         measured = params.model_copy(update={"benchmark": bench})
     history = [int(c) for c in args.history.split(",") if c]
     host = params.serve.host
-    target, drafts = ROOT / TARGET_DIR, ROOT / DRAFTS
+    target, drafts = args.target, args.drafts
 
     from dspark.models.target import load_target_for
 
-    requests = build_requests(params, load_target_for(params.target, target), ROOT / EVAL_PROMPTS)
+    requests = build_requests(params, load_target_for(params.target, target), args.prompts)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         tmp = Path(tmp)

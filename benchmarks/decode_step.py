@@ -9,7 +9,8 @@ the same step can differ by 20% or more. Each measurement is therefore a fresh p
 the figure per setting is spread over `--processes` of them, the settings alternating (off, on,
 off, on, ...). `THP_MEM_ALLOC_ENABLE=1` asks torch's CPU allocator to back allocations of 2 MB
 and more with huge pages (madvise), which this machine's kernel grants on request. Needs the
-provision stage's artifacts/target. Prints a table and writes metrics/studies/decode_step.json.
+provision stage's artifacts/target (or `--target`). Prints a table and writes
+metrics/studies/decode_step.json.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from dspark.stages import TARGET_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"4K pages": "0", "huge pages": "1"}
+WARM_STEPS = 2  # the first steps of a process warm up and are not counted
 
 
-def one_process(rows: list[int], context: int, steps: int) -> dict[int, float]:
+def one_process(target_dir: Path, rows: list[int], context: int, steps: int) -> dict[int, float]:
     """In this process: median ms of a one-token step at each row count."""
     params = load_params(ROOT / "params.yaml")
     set_threads(None)
-    target = load_target_for(params.target, ROOT / TARGET_DIR)
+    target = load_target_for(params.target, target_dir)
     model = Llama.from_hf(target.model)
     gen = torch.Generator().manual_seed(0)
     out = {}
@@ -54,7 +56,7 @@ def one_process(rows: list[int], context: int, steps: int) -> dict[int, float]:
             t0 = time.perf_counter()
             model(token, torch.full((b, 1), context + i), cache)
             times.append(time.perf_counter() - t0)
-        out[b] = round(1000 * statistics.median(times[2:]), 2)  # the first steps warm up
+        out[b] = round(1000 * statistics.median(times[WARM_STEPS:]), 2)
     return out
 
 
@@ -64,18 +66,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--target", type=Path, default=ROOT / TARGET_DIR)
     ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "decode_step.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.steps <= WARM_STEPS:
+        ap.error(f"--steps: {args.steps} leaves none to time (the first {WARM_STEPS} warm up)")
     if args.child:
-        print(json.dumps(one_process(args.rows, args.context, args.steps)))
+        print(json.dumps(one_process(args.target, args.rows, args.context, args.steps)))
         return
-    if not (ROOT / "artifacts" / "target").exists():
-        raise SystemExit("artifacts/target: missing (run `dspark provision` first)")
+    if not args.target.exists():
+        raise SystemExit(f"{args.target}: missing (run `dspark provision` first)")
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in SETTINGS}
     child = [sys.executable, "-m", "benchmarks.decode_step", "--child", "--rows"]
     child += [str(b) for b in args.rows] + ["--context", str(args.context)]
-    child += ["--steps", str(args.steps)]
+    child += ["--steps", str(args.steps), "--target", str(args.target)]
     for _ in range(args.processes):
         for name, flag in SETTINGS.items():
             env = {**os.environ, "THP_MEM_ALLOC_ENABLE": flag}

@@ -15,8 +15,9 @@ turn, A B A B, and each figure is the median of `--repeats`.
 records (the profile's seeded selection from artifacts/prompts/eval.jsonl, batched as the stage
 batches them: rows of 50 to 1,900 tokens, padded to the longest). `ragged` attends row by row on
 the causal kernel (what the engine does); `mask` is the one explicit mask over the batch
-(`Llama.ragged_causal = False`). Needs the provision stage's artifacts/target (or materializes
-the profile's target into a temporary folder). Prints tables; writes metrics/studies/prefill.json.
+(`Llama.ragged_causal = False`). Needs the provision stage's artifacts/target, or `--target`
+(or materializes the profile's target into a temporary folder). Prints tables; writes
+metrics/studies/prefill.json.
 """
 
 from __future__ import annotations
@@ -96,11 +97,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8000])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--eval-batches", type=int, default=0)
+    ap.add_argument("--target", type=Path, default=ROOT / "artifacts" / "target")
     ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "prefill.json")
     args = ap.parse_args(argv)
     params = load_params(ROOT / "params.yaml", args.profile)
     threads = set_threads(None)
-    target_dir = ROOT / "artifacts" / "target"
+    target_dir = args.target
     with tempfile.TemporaryDirectory() as tmp:
         if not target_dir.exists():
             target_dir = Path(tmp) / "target"

@@ -2,10 +2,11 @@
 
     python -m benchmarks.stream [--profile P] [--repeats 3] [--samples 16]
 
-Needs the prepare stage's outputs (artifacts/target, artifacts/shards). Payloads are real
-captured samples. Transports are measured side by side, alternating A B C A B C, each between
-two processes on loopback; figures carry their spread over the repeats. Prints a table and
-writes metrics/studies/stream.json.
+Needs the prepare stage's outputs (artifacts/target, artifacts/shards; or `--target` and
+`--shards`). Payloads are real captured samples. Transports are measured side by side,
+alternating A B C A B C, each between two processes on loopback; figures carry their spread over
+the repeats. `--engine-seconds` is how long Mooncake's own transfer_engine_bench runs. Prints a
+table and writes metrics/studies/stream.json.
 """
 
 from __future__ import annotations
@@ -275,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument(
+        "--engine-seconds", type=int, default=5, help="how long transfer_engine_bench runs"
+    )
+    ap.add_argument("--target", type=Path, default=ROOT / "artifacts" / "target")
+    ap.add_argument("--shards", type=Path, default=ROOT / "artifacts" / "shards")
     ap.add_argument("--out", type=Path, default=ROOT / "metrics" / "studies" / "stream.json")
     args = ap.parse_args(argv)
     for k, v in MOONCAKE_ENV.items():
@@ -282,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
     params = load_params(ROOT / "params.yaml", profile=args.profile)
     x = params.extract
-    target_dir, shards_dir = ROOT / "artifacts" / "target", ROOT / "artifacts" / "shards"
+    target_dir, shards_dir = args.target, args.shards
     target = load_target(target_dir)
     aux = resolve_aux_layers(x.aux_layers, target.num_layers)
     capture = HiddenStateCapture(target, aux, x.wire_dtype, topk=20)
@@ -343,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "full_over_hidden": round(bpt_full / bpt_hidden, 2),
         "mooncake_gbps": round(med("mooncake", "gbps"), 3),
         "mooncake_gbps_range": spread("mooncake", "gbps"),
-        "engine_bench_gbps": engine_bench_gbps(),
+        "engine_bench_gbps": engine_bench_gbps(args.engine_seconds),
         "socket_gbps": round(med("socket", "gbps"), 3),
         "socket_gbps_range": spread("socket", "gbps"),
         "files_gbps": round(med("files", "gbps"), 3),
