@@ -243,7 +243,15 @@ def stall_fraction(params, samples_dir: Path, target_dir: Path, width: int) -> d
     with open_stream(
         params, target_dir=target_dir, shards_dir=samples_dir, sample_ids=ids
     ) as stream:
-        consumer = StreamConsumer(stream.coordinator, stream.store)
+        # The stage's own patience: producers still loading the target on a busy machine have
+        # not connected yet, and the transport's default 120 s gave up on them.
+        x = params.extract
+        consumer = StreamConsumer(
+            stream.coordinator,
+            stream.store,
+            fetch_timeout=x.fetch_timeout,
+            idle_timeout=x.idle_timeout,
+        )
         received = []
         for sample in consumer:
             h = sample.aux_hidden[-1].float()[None]  # [1, S, H]
