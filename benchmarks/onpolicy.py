@@ -7,7 +7,7 @@ the trainer, per wall-second, for each way of producing them, side by side on th
   transformers+capture  today's default path: transformers' batched generate (the prepare
                         stage's `transformers` engine), then one forward per sample capturing
                         the aux layers (the extract stage's producer)
-  dspark-recorded@B     our batched static-cache engine decoding B rows at a time and keeping
+  dspark-recorded@B     our batched static-cache decoder decoding B rows at a time and keeping
                         the aux layers' states as the tokens are produced (one pass:
                         dspark.decode.replay.Recorder)
 

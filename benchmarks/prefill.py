@@ -14,7 +14,7 @@ turn, A B A B, and each figure is the median of `--repeats`.
 `--eval-batches N` also prefills the first N batches of short prompts that the evaluate stage
 records (the profile's seeded selection from artifacts/prompts/eval.jsonl, batched as the stage
 batches them: rows of 50 to 1,900 tokens, padded to the longest). `ragged` attends row by row on
-the causal kernel (what the engine does); `mask` is the one explicit mask over the batch
+the causal kernel (what the decoder does); `mask` is the one explicit mask over the batch
 (`Llama.ragged_causal = False`). Needs the provision stage's artifacts/target, or `--target`
 (or materializes the profile's target into a temporary folder). Prints tables; writes
 metrics/studies/prefill.json.

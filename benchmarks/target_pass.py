@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from dspark.config import load_params
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.drafters import DSparkProposer
-from dspark.decode.engine import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.sampling import GREEDY
 from dspark.drafts import DRAFT_KINDS, load_proposer

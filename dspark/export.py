@@ -42,7 +42,7 @@ from dspark.train.checkpoint import load_state, load_tensors, read_json, save_te
 DSPARK_KEY = "dspark"
 # Levers with no speculators field, and the value that means the plain architecture. A draft
 # with any other value carries them under DSPARK_KEY; speculators and vLLM would run it as the
-# plain architecture, so it is for our engine only (and `feature_fc.weight` is a tensor they
+# plain architecture, so it is for our decoder only (and `feature_fc.weight` is a tensor they
 # do not know).
 EXTENSIONS = {"block_attention": "bidirectional", "feature_input": "none"}
 SPECULATORS_VERSION = "0.9.0"  # the release whose format this matches (and that the test loads)

@@ -1,5 +1,5 @@
 """Held-out greedy acceptance measured twice on the same samples: as the train stage measures
-it, and by decoding through the evaluation's engine. Set beside each other they separate "the
+it, and by decoding through the evaluation's decoder. Set beside each other they separate "the
 trainer's measure is not what decoding gets" from "the evaluation's prompts are not the training
 data's", the two readings of a held-out tau above the evaluation's.
 
@@ -36,7 +36,7 @@ import torch
 
 from dspark.config import Params, load_params
 from dspark.data.shards import read_manifest as read_token_manifest
-from dspark.decode.engine import SpecDecoder
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.proposers import Proposer
 from dspark.decode.replay import Playback, Recording
 from dspark.drafts import DRAFT_KINDS, load_draft

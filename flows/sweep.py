@@ -30,7 +30,7 @@ compute reuses the step costs measured the first time (kept in `<name>.plan.json
 table), so no point's budget depends on when it ran.
 
 `--single-item` runs only the swept stage on the upstream outputs as they are (`dvc exp run -s`):
-a study on one extraction stays on it even after the engine's code moves on.
+a study on one extraction stays on it even after the code it depends on moves on.
 
 `dvc exp run -S` writes into params.yaml, so the file is restored after every point and points
 never accumulate. The table, one row per point ranked by `--metric`, goes to

@@ -168,7 +168,7 @@ LAYER_WEIGHTS = {
 
 
 class TargetLayer(nn.Module):
-    """One decoder layer of the target, its projections fused as the engine runs them: q, k
+    """One decoder layer of the target, its projections fused as the decoder runs them: q, k
     and v in one matrix, gate and up in another. A fused multiply's outputs are the same bits
     as the separate ones (MKL reduces each output column alone: checked here at 1 to 64 rows,
     AVX-512 with AMX); what it saves is the calls, which dominate a pass of a few tokens."""
@@ -189,7 +189,7 @@ class TargetLayer(nn.Module):
         w = {k.removeprefix(prefix): v for k, v in theirs.items() if k.startswith(prefix)}
         unknown = sorted(set(w) - LAYER_WEIGHTS)
         if unknown:  # a bias or a norm this layer lacks would otherwise be dropped silently
-            raise ValueError(f"{prefix}{unknown[0]}: not a weight of the engine's Llama layer")
+            raise ValueError(f"{prefix}{unknown[0]}: not a weight of the decoder's Llama layer")
         with torch.no_grad():
             self.input_norm.copy_(w["input_layernorm.weight"])
             self.post_norm.copy_(w["post_attention_layernorm.weight"])

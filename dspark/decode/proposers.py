@@ -1,8 +1,8 @@
 """Proposers: what drafts the tokens the target verifies.
 
-The engine keeps every row's tokens in `seq` [B, M]. Row b's last token, `seq[b, n_b]`, is not yet
-in the target's cache: it is the anchor the next draft continues from. After each target pass the
-engine calls `extend` with the target's features for the positions that pass made final, so a
+The decoder keeps every row's tokens in `seq` [B, M]. Row b's last token, `seq[b, n_b]`, is not
+yet in the target's cache: it is the anchor the next draft continues from. After each target pass
+the decoder calls `extend` with the target's features for the positions that pass made final, so a
 model-based proposer keeps its own cache of them. Both calls may cover a contiguous run of the
 rows `start` allocated (`rows`): a server admits one row, or steps only the rows in use.
 
@@ -78,7 +78,7 @@ class Proposer:
 
 
 class NoProposer(Proposer):
-    """Target only (k = 0): plain autoregressive decoding on the same engine."""
+    """Target only (k = 0): plain autoregressive decoding on the same decoder."""
 
 
 class NgramProposer(Proposer):

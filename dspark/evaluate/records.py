@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dspark import records
-from dspark.decode.engine import RowTrace, Timing
+from dspark.decode.decoder import RowTrace, Timing
 from dspark.records import Records
 
 __all__ = ["Records", "fingerprint", "from_fields", "trace_fields"]

@@ -1,9 +1,9 @@
 """The evaluate stage: speculative decoding against the real target, per category and method.
 
 Greedy acceptance is measured by replay (`dspark.decode.replay`): each batch of prompts is
-decoded greedily once by the target on our engine, recording its hidden states and choices at
+decoded greedily once by the target on our decoder, recording its hidden states and choices at
 every position (the prompts' paths), and every method (each n-gram window and Markov variant
-too) then decodes on the unchanged engine with that recording standing in for the target.
+too) then decodes on the unchanged decoder with that recording standing in for the target.
 Greedy verification accepts exactly the drafts that match the target's greedy path, so tau is
 the one a live decode measures, without a target pass per method and step (most of the stage's
 cost at low acceptance). Every path is checked against transformers, teacher-forced: one
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from dspark.config import CATEGORIES, LONG_CATEGORIES, MARKOV_ABLATION, EvalGoals, Params
 from dspark.data.prompts import Prompt, read_prompt_file
-from dspark.decode.engine import Prefill, RowTrace, SpecDecoder, Timing
+from dspark.decode.decoder import Prefill, RowTrace, SpecDecoder, Timing
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import NoProposer
 from dspark.decode.reference import TIE, Reference
@@ -191,7 +191,7 @@ class Evaluation:
         self._recorded: tuple[tuple[str, ...], Recording] | None = None
         self._prefilled: tuple[tuple[str, ...], Prefill] | None = None
         self._length: dict[str, int] = {}  # prompt id -> templated tokens
-        # The target's own work, split for sizing the stage: our engine's prefill and decode
+        # The target's own work, split for sizing the stage: our decoder's prefill and decode
         # of the paths, and transformers' check of them; short prompts apart from long ones.
         self.paths_s = {
             f"{part}_{kind}": 0.0

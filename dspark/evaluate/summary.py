@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dspark.decode.engine import RowTrace, Timing
+from dspark.decode.decoder import RowTrace, Timing
 from dspark.evaluate.stats import tau_interval
 
 

@@ -92,7 +92,7 @@ class HiddenStateCapture:
         target_topk: tuple[torch.Tensor, torch.Tensor] | None = None,  # [R, k] each, if known
     ) -> Sample:
         """The Sample of these tokens' states, however they were computed (a forward here, or
-        our engine as it decoded them, which also hands in the top-k it chose tokens from)."""
+        our decoder as it decoded them, which also hands in the top-k it chose tokens from)."""
         aux = torch.stack([states[i] for i in self.aux_layers])  # [L, S, H]
         last = states[self.target.num_layers - 1]  # [S, H], before the final norm
         if self.topk and target_topk is None:

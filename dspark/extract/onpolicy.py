@@ -1,5 +1,5 @@
 """On-policy samples in one pass over the target: a producer answers prompts on our batched
-engine and keeps the tapped layers' hidden states as the tokens are made, so generating a
+decoder and keeps the tapped layers' hidden states as the tokens are made, so generating a
 response and extracting its states are the same forward passes (the prepare stage's `extract`
 engine leaves the answers to this).
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.decode.engine import SpecDecoder
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.replay import Recorder
 from dspark.decode.sampling import GREEDY

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.decode.engine import SpecDecoder, keep
+from dspark.decode.decoder import SpecDecoder, keep
 from dspark.decode.sampling import GREEDY, Sampling
 from dspark.serve.scheduler import AdaptiveScheduler, VerifyCost
 

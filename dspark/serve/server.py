@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.config import Params, serving_modes
-from dspark.decode.engine import SpecDecoder
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import Proposer
 from dspark.decode.sampling import Sampling

@@ -158,7 +158,7 @@ def test_deployment_runs_the_chain_and_everything_agrees(repo, served, tmp_path)
     assert again.returncode == 0 and "Running stage" not in again.stdout, again.stdout
     shown = run([str(BIN / "dvc"), "metrics", "show", "--json"], repo, served)
     assert shown.returncode == 0 and "num_samples" in shown.stdout
-    # The held-out split decoded through the evaluation's engine, on the stages' own outputs.
+    # The held-out split decoded through the evaluation's decoder, on the stages' own outputs.
     out = tmp_path / "heldout_decode.json"
     cmd = [str(BIN / "python"), "-m", "evals.heldout_decode", "--profile", "smoke", "--out"]
     held = run([*cmd, str(out)], repo, served)

@@ -184,7 +184,7 @@ def test_bad_prompt_file_fails_in_one_line(tmp_path, line, message):
 def test_long_context_prompts_fit_with_their_chat_template(tiny_target):
     """The long_context budget leaves room for the template, max_new_tokens and one block."""
     from dspark.data.prepare import long_context_tokens
-    from dspark.decode.engine import SpecDecoder
+    from dspark.decode.decoder import SpecDecoder
     from dspark.decode.proposers import NgramProposer
 
     p = load_params(ROOT / "params.yaml", profile="default")

@@ -1,6 +1,6 @@
 """llama.cpp (llama-cpp-python 0.3.36, from .venv-llamacpp) on the real target's weights, the
 benchmark's peer: the F32 GGUF llama.cpp makes of the package's Q4_1 GGUF decodes greedily as our
-engine does on the fp32 weights transformers made of the same file, tokenizes our prompts' text
+decoder does on the fp32 weights transformers made of the same file, tokenizes our prompts' text
 back to our ids, its prompt lookup changes no output, the load client counts its stream's tokens
 as our endpoint's (a CJK answer included, whose characters come as several tokens in one chunk),
 and the benchmark serves it in the same cells as ours with `vs_llamacpp` ratios.
@@ -16,7 +16,7 @@ import asyncio
 import pytest
 
 from dspark.config import load_params
-from dspark.decode.engine import SpecDecoder
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import NoProposer
 from dspark.engines.llamacpp import OWN_DEFAULTS_OFF, LlamacppServer, f32_gguf
@@ -72,7 +72,7 @@ def prompts(smollm2) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ours(smollm2, prompts) -> list[list[int]]:
-    """Our engine's greedy answers (fp32), EOS included where reached."""
+    """Our decoder's greedy answers (fp32), EOS included where reached."""
     dec = SpecDecoder(
         Llama.from_hf(smollm2.model), NoProposer(), smollm2.eos_token_id, smollm2.max_context
     )
@@ -91,7 +91,7 @@ def test_llamacpp_tokenizes_our_prompt_text_to_our_ids(servers, prompts):
         assert servers[0].tokenize(p["text"]) == p["prompt"]
 
 
-def test_greedy_matches_our_engine_and_lookup_changes_nothing(servers, smollm2, prompts, ours):
+def test_greedy_matches_our_decoder_and_lookup_changes_nothing(servers, smollm2, prompts, ours):
     eos = smollm2.eos_token_id
     want = [smollm2.tokenizer.decode([t for t in o if t != eos]) for o in ours]
     plain, lookup = (

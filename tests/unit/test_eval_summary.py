@@ -5,7 +5,7 @@ import pytest
 
 from dspark.config import EvalGoals, NgramConfig
 from dspark.data.prompts import Prompt, user
-from dspark.decode.engine import RowTrace, Timing
+from dspark.decode.decoder import RowTrace, Timing
 from dspark.evaluate.report import report_markdown
 from dspark.evaluate.stage import batches, goals, pairs, select_prompts
 from dspark.evaluate.summary import Calibration, Tally, distinct_n

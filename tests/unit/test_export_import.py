@@ -189,7 +189,7 @@ def vllm_runs_causal(doc: dict) -> bool:
 @pytest.mark.parametrize("cls", [DSparkConfig, DFlashConfig])
 def test_vllm_reads_the_blocks_attention_as_trained(tmp_path, cls, block_attention):
     """An export that said `sliding_window_non_causal: false` was served causally by vLLM 0.32
-    though our block is bidirectional: its acceptance was our engine's with the block run causal
+    though our block is bidirectional: its acceptance was our decoder's with the block run causal
     (docs/export.md). speculators reads the field for sliding-window layers only, so true says
     nothing new to it, and the import keeps taking the block's attention from our extensions."""
     torch.manual_seed(0)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dspark.data.shards import TokenSample
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.drafters import DSparkProposer
-from dspark.decode.engine import SpecDecoder
 from dspark.extract.capture import HiddenStateCapture
 from evals.heldout_decode import decode_tallies, main, prompt_length, trainer_measure
 from tests.unit.test_alignment import TargetAsDraft

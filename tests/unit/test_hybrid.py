@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.drafters import DSparkProposer
-from dspark.decode.engine import SpecDecoder
 from dspark.decode.hybrid import HybridProposer, band, expected_accepted, judge
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import ALL, NoProposer, Proposal, Proposer
@@ -116,7 +116,7 @@ def _rows(texts: list[list[int]], width: int = 64) -> tuple[torch.Tensor, torch.
 
 
 def _admit(h: HybridProposer, seq: torch.Tensor, n: torch.Tensor) -> None:
-    """A new request in every row: its prompt up to the anchor, as the engine's prefill."""
+    """A new request in every row: its prompt up to the anchor, as the decoder's prefill."""
     h.extend(seq, torch.zeros_like(n), n, {})
 
 

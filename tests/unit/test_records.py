@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_code_files_are_the_library_files_among_the_stage_deps():
     files = code_files(("artifacts/target", "dspark/decode", "dspark/data/prompts.py"))
     assert PKG / "data" / "prompts.py" in files
-    assert PKG / "decode" / "engine.py" in files
+    assert PKG / "decode" / "decoder.py" in files
     assert all(f.is_relative_to(PKG) for f in files)  # artifacts/ is data, not code
     assert PKG / "data" / "prepare.py" not in files  # only the module named
 

@@ -6,8 +6,8 @@ tau = k + 1 through it; and a path is checked against transformers teacher-force
 import pytest
 import torch
 
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
-from dspark.decode.engine import SpecDecoder
 from dspark.decode.proposers import NgramProposer, NoProposer
 from dspark.decode.reference import Reference
 from dspark.decode.replay import Playback, decode_recorded

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
-from dspark.decode.engine import SpecDecoder
 from dspark.decode.hybrid import HybridProposer
 from dspark.decode.proposers import NgramProposer, NoProposer, Proposal, Proposer
 from dspark.decode.suffix import SuffixProposer

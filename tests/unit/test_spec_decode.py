@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from dspark.decode.decoder import SpecDecoder
 from dspark.decode.drafters import DFlashProposer, DSparkProposer, Eagle3Proposer
-from dspark.decode.engine import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import NgramProposer, NoProposer, Proposal, Proposer
 from dspark.decode.sampling import Sampling, verify_sampled, warp
