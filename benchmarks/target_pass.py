@@ -1,5 +1,6 @@
-"""The target's pass against its floor: for k tokens in one row, what the engine's forward
-costs, what its matrix multiplies alone cost, and what reading its bytes must cost.
+"""The target's pass against its floor: for k tokens in one row, what our forward (the
+decoder's Llama) costs, what its matrix multiplies alone cost, and what reading its bytes must
+cost.
 
     python -m benchmarks.target_pass [--tokens 1 2 3 4 6 8 12 16 24 32] [--context 300] \
         [--repeats 15]
@@ -8,9 +9,9 @@ A decode pass of a few tokens reads every weight once (about 540 MB for SmolLM2 
 does little arithmetic on each, so its floor is the bytes it must read (weights, and the keys
 and values of the context) over the machine's read bandwidth, measured here in the same run.
 From some k on the arithmetic takes over: the compute floor is the pass's multiply-adds over a
-large cache-resident multiply's rate, also measured here. Between the floor and the engine sit
+large cache-resident multiply's rate, also measured here. Between the floor and the forward sit
 the multiplies themselves (the same shapes through `F.linear`, nothing else) and everything
-else the engine does (attention, norms, rope, cache writes, Python); the profile of the 1- and
+else the forward does (attention, norms, rope, cache writes, Python); the profile of the 1- and
 2-token passes (torch.profiler, per operator, ms per pass) says which.
 
 Each trained draft under `--drafts` is timed the same way: one proposal for one row at the same
@@ -18,7 +19,7 @@ context, against its floor, its own weights read once per forward it runs (one f
 draft, one per drafted token for EAGLE-3; the target's embedding rows it looks up are few and
 left out).
 
-Measurements alternate between the engine and the bare multiplies per repeat, so a busy
+Measurements alternate between the forward and the bare multiplies per repeat, so a busy
 machine shifts both alike; run it alone all the same. Prints a table and writes
 metrics/studies/target_pass.json, with the CPU's flags and the thread count beside the figures.
 Needs the provision stage's artifacts/target.
@@ -49,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def weights(model: Llama) -> list[torch.Tensor]:
-    """Every matrix a pass multiplies by, as the engine lays them out."""
+    """Every matrix a pass multiplies by, as our forward lays them out."""
     out = []
     for layer in model.layers:
         out += [layer.qkv.weight, layer.o_proj.weight, layer.gate_up.weight, layer.down.weight]
@@ -79,7 +80,7 @@ def gemm_rate(repeats: int = 20) -> float:
 
 
 class Pass:
-    """One row at `context` tokens, verifying k more: the engine's forward and the same
+    """One row at `context` tokens, verifying k more: our forward and the same
     multiplies alone, timed in turn."""
 
     def __init__(self, model: Llama, context: int, k: int, gen: torch.Generator):
@@ -95,7 +96,7 @@ class Pass:
         }
         self.weights = weights(model)
 
-    def engine(self) -> float:
+    def forward(self) -> float:
         t0 = time.perf_counter()
         self.model(self.tokens, self.positions, self.cache)
         return time.perf_counter() - t0
@@ -158,10 +159,10 @@ def draft_costs(
 
 def operator_profile(p: Pass, passes: int = 10, top: int = 12) -> list[dict]:
     """ms per pass by operator (self time), the largest first."""
-    p.engine()
+    p.forward()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(passes):
-            p.engine()
+            p.forward()
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in rows) / 1000 / passes
     out = [
@@ -203,21 +204,21 @@ def main(argv: list[str] | None = None) -> None:
     rows, profiles = [], {}
     for k in args.tokens:
         p = Pass(model, args.context, k, gen)
-        p.engine(), p.multiplies()  # warm
-        engine, mults = [], []
+        p.forward(), p.multiplies()  # warm
+        forward, mults = [], []
         for _ in range(args.repeats):
-            engine.append(p.engine())
+            forward.append(p.forward())
             mults.append(p.multiplies())
         floor = max(p.bytes_read() / bandwidth, p.multiply_adds() / rate)
-        e, m = statistics.median(engine) * 1000, statistics.median(mults) * 1000
+        e, m = statistics.median(forward) * 1000, statistics.median(mults) * 1000
         rows.append(
             {
                 "tokens": k,
-                "engine_ms": round(e, 2),
+                "forward_ms": round(e, 2),
                 "multiplies_ms": round(m, 2),
                 "floor_ms": round(floor * 1000, 2),
-                "engine_over_multiplies": round(e / m, 3),
-                "engine_over_floor": round(e / (floor * 1000), 3),
+                "forward_over_multiplies": round(e / m, 3),
+                "forward_over_floor": round(e / (floor * 1000), 3),
             }
         )
         if k in (1, 2):
@@ -226,14 +227,14 @@ def main(argv: list[str] | None = None) -> None:
     one = next((r for r in rows if r["tokens"] == 1), None)
     if one:
         for r in rows:
-            r["engine_over_one"] = round(r["engine_ms"] / one["engine_ms"], 3)
+            r["forward_over_one"] = round(r["forward_ms"] / one["forward_ms"], 3)
     print(f"context {args.context}, {threads} threads; read {bandwidth / 1e9:.1f} GB/s, "
           f"multiply {rate / 1e9:.1f} G multiply-adds/s")  # fmt: skip
-    head = ("k", "engine ms", "multiplies", "floor", "eng/mult", "eng/floor")
+    head = ("k", "forward ms", "multiplies", "floor", "fwd/mult", "fwd/floor")
     print("".join(f"{h:>11}" for h in head))
     for r in rows:
-        cells = [r["tokens"], r["engine_ms"], r["multiplies_ms"], r["floor_ms"]]
-        cells += [r["engine_over_multiplies"], r["engine_over_floor"]]
+        cells = [r["tokens"], r["forward_ms"], r["multiplies_ms"], r["floor_ms"]]
+        cells += [r["forward_over_multiplies"], r["forward_over_floor"]]
         print("".join(f"{c:>11}" for c in cells))
     if drafts:
         print("\ndraft, ms per proposal against its floor:")

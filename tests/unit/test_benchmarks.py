@@ -76,7 +76,7 @@ def hidden(tiny_target, shards, smoke_params, tmp_path_factory):
 
 
 def test_target_pass_is_set_against_its_multiplies_and_its_floor(tiny_target_dir, drafts, tmp_path):
-    """Every k gets the engine's pass, its multiplies and a floor, the table's ratios are what
+    """Every k gets our forward, its multiplies and a floor, the table's ratios are what
     its columns say, and the 1- and 2-token passes carry an operator profile that accounts for
     the whole pass."""
     doc = run(
@@ -86,10 +86,10 @@ def test_target_pass_is_set_against_its_multiplies_and_its_floor(tiny_target_dir
     )  # fmt: skip
     assert [r["tokens"] for r in doc["passes"]] == [1, 2, 5]
     for r in doc["passes"]:
-        assert r["engine_ms"] > 0 and r["multiplies_ms"] > 0 and r["floor_ms"] > 0
-        ratio = r["engine_ms"] / r["multiplies_ms"]  # of the rounded ms: close, not equal
-        assert r["engine_over_multiplies"] == pytest.approx(ratio, rel=0.02)
-    assert doc["passes"][0]["engine_over_one"] == 1.0
+        assert r["forward_ms"] > 0 and r["multiplies_ms"] > 0 and r["floor_ms"] > 0
+        ratio = r["forward_ms"] / r["multiplies_ms"]  # of the rounded ms: close, not equal
+        assert r["forward_over_multiplies"] == pytest.approx(ratio, rel=0.02)
+    assert doc["passes"][0]["forward_over_one"] == 1.0
     assert doc["threads"] == 1 and "model" in doc["cpu"] and doc["read_bytes_per_s"] > 0
     for k in ("1", "2"):
         ops = doc["profile_ms"][k]
