@@ -881,7 +881,7 @@ class Params(Section):
     @model_validator(mode="after")
     def _peer_has_its_weights(self) -> Params:
         """llama.cpp reads the target as a GGUF: only a target made from a packaged one has it
-        (dspark.engines.llamacpp.f32_gguf), found here and not when the benchmark starts."""
+        (dspark.servers.llamacpp.f32_gguf), found here and not when the benchmark starts."""
         peer = [m for m in self.benchmark.modes if m.startswith("llamacpp")]
         if peer and not self.target.model.startswith("pkg:"):
             raise ValueError(

@@ -54,7 +54,7 @@ FILES = {
     "extract": "extract.json",
 }
 BASELINE_MODE = "none"  # the plain target: tau and speedup 1 by definition, so not headlines
-# The peer engine's modes (dspark.serve.llamacpp_mode.MODES): no column of the table, which has
+# The peer server's modes (dspark.serve.llamacpp_mode.MODES): no column of the table, which has
 # one per method of ours and fits 100 columns with no more.
 PEER_MODES = ("llamacpp", "llamacpp_lookup")
 HELD_OUT = (  # train.json's per-draft held-out figures, each a summary line where present

@@ -127,8 +127,8 @@ def _provision(ctx: StageContext) -> dict:
 def _prepare(ctx: StageContext) -> dict:
     from dspark.data.prepare import PreparePaths, prepare
     from dspark.data.prompts import read_prompt_file
-    from dspark.engines.vllm_server import default_venv
     from dspark.models.target import load_target_for, set_threads
+    from dspark.servers.vllm_server import default_venv
 
     if ctx.prompts_file is not None:
         read_prompt_file(ctx.prompts_file)  # a bad file fails before minutes of loading

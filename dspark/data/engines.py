@@ -78,7 +78,7 @@ def _left_to_extract(setup: EngineSetup) -> Iterator[GenerateFn]:
 
 @register("vllm")
 def _vllm(setup: EngineSetup) -> Iterator[GenerateFn]:
-    from dspark.engines.vllm_server import VllmServer
+    from dspark.servers.vllm_server import VllmServer
 
     server = VllmServer(
         setup.target_dir,

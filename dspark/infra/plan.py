@@ -2,7 +2,7 @@
 
 GPU clusters: one target instance is tensor parallel inside a node (NVLink) and pipeline
 parallel across nodes, with the fewest stages whose per-GPU share (weights / (TP x PP), plus
-its KV cache for the longest sample) fits the engine's share of a GPU. The Mooncake segments
+its KV cache for the longest sample) fits vLLM's share of a GPU. The Mooncake segments
 hold the hidden states of the samples in flight; every trainer rank holds the whole draft and
 its optimizer state (DDP, as `dspark/train/distributed.py` trains).
 

@@ -120,7 +120,7 @@ class Inference(Strict):
         None, description="stages, one node each (default: the fewest that fit)"
     )
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
-        0.9, description="share of each GPU the engine may use (vLLM's flag)"
+        0.9, description="share of each GPU vLLM may use (its --gpu-memory-utilization)"
     )
     max_sample_tokens: PosInt | None = Field(
         None, description="the longest sample (default: the run's prompt + response cap)"

@@ -5,7 +5,7 @@ weights as our target, driven by the same load client in the same cells as our m
     llamacpp_lookup   with llama.cpp's prompt-lookup draft, benchmark.llamacpp_lookup_k tokens
 
 They need `make llamacpp-venv` (`make run` builds it) and a target made from a packaged GGUF
-(`target.model: pkg:<package>`): dspark/engines/llamacpp.py makes the F32 GGUF and runs the
+(`target.model: pkg:<package>`): dspark/servers/llamacpp.py makes the F32 GGUF and runs the
 server. The client sends each request's prompt as text (the server takes no token ids), greedy
 as ours: serve.temperature and serve.top_p, with llama.cpp's own defaults that would change the
 answer turned off (its repeat penalty, top-k and min-p). Its cells have no tau (the server
@@ -23,15 +23,15 @@ import json
 from pathlib import Path
 
 from dspark.config import Params
-from dspark.engines.llamacpp import (
+from dspark.serve.rounds import paired_ratio, per_round
+from dspark.servers.llamacpp import (
     OWN_DEFAULTS_OFF,
     SERVED_NAME,
     LlamacppServer,
     default_venv,
     f32_gguf,
 )
-from dspark.engines.process import READY_TIMEOUT_S
-from dspark.serve.rounds import paired_ratio, per_round
+from dspark.servers.process import READY_TIMEOUT_S
 
 PLAIN, LOOKUP = "llamacpp", "llamacpp_lookup"
 MODES = (PLAIN, LOOKUP)

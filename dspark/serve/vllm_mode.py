@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dspark.config import Params
-from dspark.engines.process import READY_TIMEOUT_S
-from dspark.engines.vllm_server import SERVED_NAME, VllmServer, default_venv
+from dspark.servers.process import READY_TIMEOUT_S
+from dspark.servers.vllm_server import SERVED_NAME, VllmServer, default_venv
 
 MODE = "none_vllm"
 

@@ -1,6 +1,7 @@
-"""The real SmolLM2 target for the tests that serve it with another engine's server, each from
-its own venv: `venv` is vLLM's here, and a module serving with another overrides it (the target
-fixtures depend on it, so they skip where it is missing, before materializing anything)."""
+"""The real SmolLM2 target for the tests that serve it with a peer server (vLLM's, llama.cpp's),
+each from its own venv: `venv` is vLLM's here, and a module serving with another overrides it
+(the target fixtures depend on it, so they skip where it is missing, before materializing
+anything)."""
 
 from pathlib import Path
 

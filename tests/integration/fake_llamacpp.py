@@ -1,6 +1,6 @@
 """A stand-in for llama.cpp's venv Python, run by a fake venv's `bin/python`, so the F32 GGUF
 plumbing, `LlamacppServer`'s lifecycle and the load client's reading of llama.cpp's stream are
-tested without llama.cpp. It answers the two ways `dspark.engines.llamacpp` runs that Python:
+tested without llama.cpp. It answers the two ways `dspark.servers.llamacpp` runs that Python:
 
     -c CODE SRC DST THREADS   the F32 conversion: writes DST from SRC (FAKE_LLAMACPP=convert_fail:
                               prints an error, writes half a file and exits 1)

@@ -19,9 +19,9 @@ from dspark.config import load_params
 from dspark.decode.decoder import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import NoProposer
-from dspark.engines.llamacpp import OWN_DEFAULTS_OFF, LlamacppServer, f32_gguf
 from dspark.serve.bench import BenchPaths, benchmark
 from dspark.serve.client import closed_loop
+from dspark.servers.llamacpp import OWN_DEFAULTS_OFF, LlamacppServer, f32_gguf
 from tests.conftest import ROOT, skip_or_fail
 from tests.integration.test_serve import bench_prompts
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from dspark.config import load_params
-from dspark.engines.llamacpp import LlamacppError, LlamacppServer, f32_gguf, f32_path
 from dspark.packages import package_version
 from dspark.serve.llamacpp_mode import LlamacppEndpoint
 from dspark.serve.measure import run_cell
+from dspark.servers.llamacpp import LlamacppError, LlamacppServer, f32_gguf, f32_path
 from tests.conftest import ROOT
 
 FAKE = Path(__file__).with_name("fake_llamacpp.py")

@@ -17,8 +17,8 @@ from dspark.config import SamplingConfig, load_params
 from dspark.data import shards
 from dspark.data.generate import generate_batch
 from dspark.data.prepare import PreparePaths, prepare
-from dspark.engines.vllm_server import VllmServer
 from dspark.serve.client import closed_loop, summarize
+from dspark.servers.vllm_server import VllmServer
 
 from ..conftest import ROOT, write_jsonl
 

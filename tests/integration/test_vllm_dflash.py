@@ -36,10 +36,10 @@ from dspark.decode.decoder import RowTrace, SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import NoProposer
 from dspark.drafts import DRAFT_KINDS, load_draft, load_proposer, read_draft_config
-from dspark.engines.vllm_server import VllmServer
 from dspark.export import export_stage
 from dspark.extract.capture import HiddenStateCapture, resolve_aux_layers
 from dspark.models.vocab import build_draft_ids, count_tokens
+from dspark.servers.vllm_server import VllmServer
 from dspark.train.batch import TargetHead
 from dspark.train.checkpoint import save_draft
 from dspark.train.stage import build_runs, resolve_mask_token

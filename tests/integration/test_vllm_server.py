@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dspark.engines import process, vllm_server
-from dspark.engines.vllm_server import VllmError, VllmServer
 from dspark.serve.client import one_request
+from dspark.servers import process, vllm_server
+from dspark.servers.vllm_server import VllmError, VllmServer
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
 

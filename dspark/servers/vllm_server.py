@@ -29,8 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from dspark.engines.process import ServerProcess
 from dspark.errors import DsparkError
+from dspark.servers.process import ServerProcess
 
 VENV_DIR = ".venv-vllm"
 SERVED_NAME = "target"  # the name requests give as `model`
@@ -250,7 +250,8 @@ _SAMPLE = re.compile(r"^(vllm:spec_decode_[a-z_]+?)(?:_total)?(\{[^}]*\})?\s+(\S
 
 
 def parse_spec_decode(text: str) -> SpecDecodeCounters:
-    """The spec-decode counters in a /metrics page, summed over engines."""
+    """The spec-decode counters in a /metrics page, summed over its `engine` label (vLLM's own
+    engines)."""
     totals: dict[str, float] = {}
     per_pos: dict[int, float] = {}
     for line in text.splitlines():

@@ -1,5 +1,6 @@
-"""llama.cpp, the CPU engine a user would pick instead of ours, as a subprocess of its own venv:
-the benchmark's peer (modes `llamacpp` and `llamacpp_lookup`, dspark/serve/llamacpp_mode.py).
+"""llama.cpp's server, the CPU server a user would pick instead of ours, as a subprocess of its
+own venv: the benchmark's peer (modes `llamacpp` and `llamacpp_lookup`,
+dspark/serve/llamacpp_mode.py).
 
 Nothing here imports llama_cpp: it lives in `.venv-llamacpp` (`make llamacpp-venv`: the
 registry has llama-cpp-python as source only, so the venv compiles llama.cpp). Two things run
@@ -39,9 +40,9 @@ from pathlib import Path
 
 import httpx
 
-from dspark.engines.process import ServerProcess
 from dspark.errors import DsparkError
 from dspark.io import write_json
+from dspark.servers.process import ServerProcess
 
 VENV_DIR = ".venv-llamacpp"
 SERVED_NAME = "target"  # the model alias requests give as `model`
@@ -204,7 +205,7 @@ class LlamacppServer(ServerProcess):
     def command(self) -> list[str]:
         python = venv_python(self.venv)
         if not self.gguf.is_file():
-            raise LlamacppError(f"{self.gguf}: missing (dspark.engines.llamacpp.f32_gguf)")
+            raise LlamacppError(f"{self.gguf}: missing (dspark.servers.llamacpp.f32_gguf)")
         self.take_port()
         return self.argv(python)
 

@@ -1,1 +1,0 @@
-"""Inference engines that run outside the main venv, driven over HTTP (vLLM)."""
