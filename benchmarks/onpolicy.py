@@ -5,7 +5,7 @@ the trainer, per wall-second, for each way of producing them, side by side on th
         [--out metrics/studies/onpolicy.json]
 
   transformers+capture  today's default path: transformers' batched generate (the prepare
-                        stage's `transformers` engine), then one forward per sample capturing
+                        stage's `hf` generator), then one forward per sample capturing
                         the aux layers (the extract stage's producer)
   dspark-recorded@B     our batched static-cache decoder decoding B rows at a time and keeping
                         the aux layers' states as the tokens are produced (one pass:

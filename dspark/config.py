@@ -271,9 +271,10 @@ class PrepareConfig(Section):
     )
     engine: Literal["hf", "vllm", "extract"] = Field(
         "hf",
-        description="generation engine: transformers in process, vLLM's server from its own "
-        "venv (`make vllm-venv`), or `extract`: the extract stage's producers answer the "
-        "prompts greedily on our batched engine, keeping the hidden states as they decode "
+        description="the generator that answers the training prompts (dspark.data.generators): "
+        "`hf`, transformers in process; `vllm`, vLLM's server from its own venv "
+        "(`make vllm-venv`); or `extract`: the extract stage's producers answer the "
+        "prompts greedily on our batched decoder, keeping the hidden states as they decode "
         "(one pass over the target; needs extract.mode offline or hybrid)",
     )
     sampling: SamplingConfig = SamplingConfig()

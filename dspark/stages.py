@@ -53,7 +53,7 @@ EVAL_RECORDS = "artifacts/eval_records"
 BENCH_RECORDS = "artifacts/bench_records"
 BENCH_REPORT = "metrics/bench_report.md"
 BENCH_LOGS = "logs/bench"
-PREPARE_ENGINE_LOG = "logs/vllm/prepare.log"
+PREPARE_VLLM_LOG = "logs/vllm/prepare.log"
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def _prepare(ctx: StageContext) -> dict:
         eval_prompts=ctx.path(EVAL_PROMPTS),
         events=ctx.path(BY_NAME["prepare"].events),
         lengths_plot=ctx.path(PREPARE_LENGTHS),
-        engine_log=ctx.path(PREPARE_ENGINE_LOG),
+        vllm_log=ctx.path(PREPARE_VLLM_LOG),
         vllm_venv=default_venv(ctx.root),
     )
     return prepare(ctx.params, target, paths, eval_file=ctx.prompts_file, progress=ctx.progress)

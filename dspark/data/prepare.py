@@ -5,8 +5,8 @@
    drop any prompt whose content hash is an evaluation or validation prompt's, apply the chat
    template, and skip prompts longer than `prepare.max_prompt_tokens`.
 3. Shard by shard: the target regenerates `regenerate_fraction` of the answers (batched, with
-   the `prepare.engine` of `engines.py`), the rest keep the dataset's answer; the loss mask
-   covers the response tokens only.
+   the generator `prepare.engine` picks in `generators.py`), the rest keep the dataset's answer;
+   the loss mask covers the response tokens only.
 Finished shards are skipped on a rerun, so an interrupted run continues where it stopped.
 """
 
@@ -24,8 +24,8 @@ import torch
 
 from dspark.config import Params
 from dspark.data import shards as shard_io
-from dspark.data.engines import EngineSetup, GenerateFn, open_engine
 from dspark.data.eval_sources import build_eval_prompts
+from dspark.data.generators import GenerateFn, GeneratorSetup, open_generator
 from dspark.data.prompts import Prompt, read_prompt_file, write_prompt_file
 from dspark.data.train_sources import interleave, source_streams
 from dspark.errors import DataError
@@ -42,8 +42,8 @@ class PreparePaths:
     eval_prompts: Path
     events: Path | None = None
     lengths_plot: Path | None = None  # CSV: sample_id, prompt_tokens, response_tokens
-    engine_log: Path | None = None  # the vllm engine's server log
-    vllm_venv: Path | None = None  # the vllm engine's venv (default: ./.venv-vllm)
+    vllm_log: Path | None = None  # the vllm generator's server log
+    vllm_venv: Path | None = None  # the vllm generator's venv (default: ./.venv-vllm)
 
 
 def long_context_tokens(params: Params, target: Target) -> int:
@@ -228,15 +228,15 @@ def prepare(
     gen_seconds = 0.0
     target_n = cfg.num_samples or 10**12
     bar = progress_bar(total=cfg.num_samples, desc="prepare", unit="sample", enabled=progress)
-    setup = EngineSetup(
+    setup = GeneratorSetup(
         target=target,
         target_dir=paths.target,
         max_len=min(cfg.max_prompt_tokens + cfg.max_new_tokens, target.max_context),
         batch=cfg.batch_size,
         venv=paths.vllm_venv,
-        log=paths.engine_log,
+        log=paths.vllm_log,
     )
-    with open_engine(cfg.engine, setup) as generate:
+    with open_generator(cfg.engine, setup) as generate:
         while sample_id < target_n and (cfg.token_budget is None or tokens < cfg.token_budget):
             want = min(cfg.shard_size, target_n - sample_id)
             batch = [c for _, c in zip(range(want), candidates, strict=False)]
@@ -299,7 +299,7 @@ def prepare(
         "reused_shards": reused_shards,
         "eval_prompts": len(eval_prompts),
         **stats,
-        # None with the `extract` engine: the extract stage answers, and measures it.
+        # None with the `extract` generator: the extract stage answers, and measures it.
         "gen_tok_s": round(gen_tokens / gen_seconds, 2) if gen_tokens else None,
         "wall_s": round(time.perf_counter() - t0, 2),
     }

@@ -1,7 +1,7 @@
 """On-policy samples in one pass over the target: a producer answers prompts on our batched
 decoder and keeps the tapped layers' hidden states as the tokens are made, so generating a
 response and extracting its states are the same forward passes (the prepare stage's `extract`
-engine leaves the answers to this).
+generator leaves the answers to this).
 
 Rows are continuously batched: a prompt takes a free row as soon as one frees, and a sample
 leaves as soon as its row ends, so the batch stays full whatever the lengths. A row that ends

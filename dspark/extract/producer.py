@@ -5,7 +5,7 @@
 It connects to every consumer's coordinator (one per trainer rank), captures what each assigns,
 stores the payload, announces the manifest to that consumer, heartbeats, and frees a payload
 once its consumer acknowledges it. A sample without a response (a prompt the prepare stage's
-`extract` engine left to us) is answered first, greedily, on our batched decoder, which keeps the
+`extract` generator left to us) is answered first, greedily, on our batched decoder, which keeps the
 hidden states as it decodes (`onpolicy.py`): one pass over the target for both. A lost
 coordinator (a restarted consumer) is reconnected to; the work it had assigned is discarded.
 The bytes move through dspark.transport (the control protocol, the payload stores and the wire

@@ -31,7 +31,7 @@ def run(tiny_target, tiny_target_dir, tmp_path, train_file, *sets):
             "prepare.num_samples=6",
             "prepare.shard_size=4",
             "data.eval_counts={question: 20, HumanEval: 1}",
-            "prepare.engine=hf",  # generation here (the extract engine: test_stream)
+            "prepare.engine=hf",  # generation here (the extract generator: test_stream)
             *sets,
         ],
     )

@@ -2,7 +2,7 @@
 (the tiny-random target's 16-wide heads are below what vLLM's CPU attention supports): greedy
 generation through `VllmServer` matches transformers' greedy generate, the load client streams
 from it (token ids, TTFT, usage), and the prepare stage regenerates through it
-(`prepare.engine: vllm`) under the hf engine's contract.
+(`prepare.engine: vllm`) under the hf generator's contract.
 
 Needs `make vllm-venv`: skipped without it, and failed without it under CI (CI builds it); the
 venv and target fixtures are conftest.py's.
@@ -88,7 +88,7 @@ def test_prepare_regenerates_through_vllm(venv, smollm2, smollm2_dir, tmp_path):
     rows = [{"category": "train", "messages": [{"role": "user", "content": q}]} for q in QUESTIONS]
     train = write_jsonl(tmp_path / "train.jsonl", rows)
 
-    def run(engine: str):
+    def run(generator: str):
         params = load_params(
             ROOT / "params.yaml",
             profile="smoke",
@@ -97,15 +97,15 @@ def test_prepare_regenerates_through_vllm(venv, smollm2, smollm2_dir, tmp_path):
                 "data.eval_counts={question: 4}",
                 "prepare.num_samples=4",
                 "prepare.max_new_tokens=24",
-                f"prepare.engine={engine}",
+                f"prepare.engine={generator}",
             ],
         )
-        out = tmp_path / engine
+        out = tmp_path / generator
         paths = PreparePaths(
             target=smollm2_dir,
             shards=out / "shards",
             eval_prompts=out / "eval.jsonl",
-            engine_log=out / "vllm.log",
+            vllm_log=out / "vllm.log",
             vllm_venv=venv,
         )
         return prepare(params, smollm2, paths, progress=False), list(

@@ -1,6 +1,6 @@
-"""The prepare stage's generation engines, by name (`prepare.engine`).
+"""The prepare stage's generators, by name (the params key `prepare.engine` picks one).
 
-An engine opens as a context manager yielding `generate(prompts, *, max_new_tokens, sampling,
+A generator opens as a context manager yielding `generate(prompts, *, max_new_tokens, sampling,
 seed) -> responses` with the contract of `generate.generate_batch`: one response of token ids per
 prompt, in order, ending at (and including) EOS if reached.
 
@@ -31,7 +31,7 @@ class GenerateFn(Protocol):
 
 
 @dataclass(frozen=True)
-class EngineSetup:
+class GeneratorSetup:
     target: object  # the loaded Target (hf generates with it)
     target_dir: Path  # the provision stage's folder (vllm serves it)
     max_len: int  # prompt + response tokens a request can need
@@ -40,36 +40,36 @@ class EngineSetup:
     log: Path | None = None  # vllm's server log (default: a temporary file)
 
 
-ENGINES: dict[str, Callable[[EngineSetup], AbstractContextManager[GenerateFn]]] = {}
+GENERATORS: dict[str, Callable[[GeneratorSetup], AbstractContextManager[GenerateFn]]] = {}
 
 
 def register(name: str):
     def add(fn):
-        if name in ENGINES:
-            raise ValueError(f"engine {name!r} is registered twice")
-        ENGINES[name] = contextmanager(fn)
+        if name in GENERATORS:
+            raise ValueError(f"generator {name!r} is registered twice")
+        GENERATORS[name] = contextmanager(fn)
         return fn
 
     return add
 
 
-def open_engine(name: str, setup: EngineSetup) -> AbstractContextManager[GenerateFn]:
+def open_generator(name: str, setup: GeneratorSetup) -> AbstractContextManager[GenerateFn]:
     try:
-        return ENGINES[name](setup)
+        return GENERATORS[name](setup)
     except KeyError:
-        known = ", ".join(sorted(ENGINES))
-        raise ValueError(f"prepare.engine: unknown engine {name!r} (known: {known})") from None
+        known = ", ".join(sorted(GENERATORS))
+        raise ValueError(f"prepare.engine: unknown generator {name!r} (known: {known})") from None
 
 
 @register("hf")
-def _hf(setup: EngineSetup) -> Iterator[GenerateFn]:
+def _hf(setup: GeneratorSetup) -> Iterator[GenerateFn]:
     from dspark.data.generate import generate_batch
 
     yield functools.partial(generate_batch, setup.target)
 
 
 @register("extract")
-def _left_to_extract(setup: EngineSetup) -> Iterator[GenerateFn]:
+def _left_to_extract(setup: GeneratorSetup) -> Iterator[GenerateFn]:
     def generate(prompts, *, max_new_tokens, sampling, seed):
         return [[] for _ in prompts]
 
@@ -77,7 +77,7 @@ def _left_to_extract(setup: EngineSetup) -> Iterator[GenerateFn]:
 
 
 @register("vllm")
-def _vllm(setup: EngineSetup) -> Iterator[GenerateFn]:
+def _vllm(setup: GeneratorSetup) -> Iterator[GenerateFn]:
     from dspark.servers.vllm_server import VllmServer
 
     server = VllmServer(
