@@ -29,11 +29,11 @@ from dspark.config import load_params
 from dspark.io import write_json
 from dspark.metrics import cpu_features
 from dspark.net import free_port
+from dspark.pipeline import DRAFTS, EVAL_PROMPTS, TARGET_DIR
 from dspark.serve.endpoints import EndpointProcess
 from dspark.serve.measure import run_cell, run_client
 from dspark.serve.rounds import rotated
 from dspark.serve.workload import build_requests
-from dspark.stages import DRAFTS, EVAL_PROMPTS, TARGET_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,7 +30,7 @@ from dspark.config import load_params
 from dspark.decode.llama import Llama
 from dspark.metrics import cpu_features, write_metrics
 from dspark.models.target import load_target_for, set_threads
-from dspark.stages import TARGET_DIR
+from dspark.pipeline import TARGET_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"4K pages": "0", "huge pages": "1"}

@@ -35,7 +35,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from dspark.config import serving_modes
-    from dspark.stages import STAGES
+    from dspark.pipeline import STAGES
 
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -161,25 +161,25 @@ def _provision_tools(args: argparse.Namespace) -> int:
 
 
 def _run_stages(args: argparse.Namespace, names: list[str]) -> None:
-    from dspark import stages
+    from dspark import pipeline
 
     params = _load(args)
     root = Path.cwd()
-    ctx = stages.StageContext(
+    ctx = pipeline.StageContext(
         params=params,
         root=root,
         progress=not args.no_progress,
         prompts_file=getattr(args, "prompts", None),
     )
     for name in names:
-        doc = stages.run_stage(stages.get(name), ctx)
-        print(f"{name}: done in {doc['wall_s']} s -> {stages.get(name).metrics}", file=sys.stderr)
+        doc = pipeline.run_stage(pipeline.get(name), ctx)
+        print(f"{name}: done in {doc['wall_s']} s -> {pipeline.get(name).metrics}", file=sys.stderr)
     if len(names) > 1:
-        stages.write_run_summary(root, params.profile)
+        pipeline.write_run_summary(root, params.profile)
 
 
 def _endpoint(args: argparse.Namespace) -> int:
-    from dspark import stages
+    from dspark import pipeline
     from dspark.errors import ConfigError
     from dspark.serve.server import serve
 
@@ -189,7 +189,7 @@ def _endpoint(args: argparse.Namespace) -> int:
     port = params.serve.port if args.port is None else args.port
     if not 1 <= port <= 65535:
         raise ConfigError(f"--port: {port} is not a port (1..65535)")
-    serve(params, root / stages.TARGET_DIR, root / stages.DRAFTS, args.mode, host, port)
+    serve(params, root / pipeline.TARGET_DIR, root / pipeline.DRAFTS, args.mode, host, port)
     return 0
 
 
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 return code
         if args.command == "validate":
             from dspark.config import load_params, profile_names
-            from dspark.stages import check_profile_sections
+            from dspark.pipeline import check_profile_sections
 
             params = load_params(args.file, profile=args.profile)
             check_profile_sections(Path(args.file))
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"active: {params.profile})"
             )
         elif args.command == "run":
-            from dspark.stages import STAGES
+            from dspark.pipeline import STAGES
 
             _run_stages(args, [s.name for s in STAGES])
         elif args.command == "serve":
@@ -302,14 +302,14 @@ def main(argv: list[str] | None = None) -> int:
             _standing(args)
         elif args.command == "dvc-yaml":
             from dspark.io import write_text
-            from dspark.stages import dvc_yaml
+            from dspark.pipeline import dvc_yaml
 
             text = dvc_yaml()
             if args.check:
                 current = Path("dvc.yaml").read_text() if Path("dvc.yaml").exists() else ""
                 if current != text:
                     print(
-                        "dvc.yaml: out of date with dspark/stages.py (run `dspark dvc-yaml`)",
+                        "dvc.yaml: out of date with dspark/pipeline.py (run `dspark dvc-yaml`)",
                         file=sys.stderr,
                     )
                     return 1

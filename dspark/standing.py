@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark import stages
+from dspark import pipeline
 
 
 def _json(path: Path) -> dict | None:
@@ -37,10 +37,10 @@ def _lines(folder: Path) -> int:
 
 
 def _extract(root: Path) -> dict | None:
-    resume = _json(root / stages.HIDDEN / "resume.json")
+    resume = _json(root / pipeline.HIDDEN / "resume.json")
     if resume is None:
         return None
-    shards = _json(root / stages.SHARDS / "manifest.json") or {}
+    shards = _json(root / pipeline.SHARDS / "manifest.json") or {}
     samples = resume.get("samples", [])
     return {
         "samples": len(samples),
@@ -53,7 +53,7 @@ def _extract(root: Path) -> dict | None:
 
 
 def _train(root: Path) -> dict | None:
-    state = _json(root / stages.TRAIN_CHECKPOINT / "state.json")
+    state = _json(root / pipeline.TRAIN_CHECKPOINT / "state.json")
     if state is None:
         return None
     last = {name: run.get("last_eval") or {} for name, run in (state.get("runs") or {}).items()}
@@ -107,16 +107,16 @@ def standing(root: Path, profile: str) -> dict:
     partial = {  # stage -> what its checkpoint says
         "extract": lambda: _extract(root),
         "train": lambda: _train(root),
-        "evaluate": lambda: _records(root / stages.EVAL_RECORDS, "records"),
-        "benchmark": lambda: _records(root / stages.BENCH_RECORDS, "records"),
+        "evaluate": lambda: _records(root / pipeline.EVAL_RECORDS, "records"),
+        "benchmark": lambda: _records(root / pipeline.BENCH_RECORDS, "records"),
     }
     out = {}
-    for stage in stages.STAGES:
+    for stage in pipeline.STAGES:
         part = partial[stage.name]() if stage.name in partial else None
         done = _json(root / stage.metrics)
         if done is not None and done.get("profile") != profile:
             done = None
-        if stage.name == "extract" and not (root / stages.HIDDEN / "manifest.json").is_file():
+        if stage.name == "extract" and not (root / pipeline.HIDDEN / "manifest.json").is_file():
             done = None  # a rerun under way, before its first shard
         if stage.name == "train" and part is not None and done is not None:
             done = done if done.get("steps") == part["step"] else None

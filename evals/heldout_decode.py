@@ -46,8 +46,8 @@ from dspark.extract.capture import resolve_aux_layers
 from dspark.metrics import write_metrics
 from dspark.models.eagle3 import Eagle3Draft
 from dspark.models.target import load_target_for
+from dspark.pipeline import DRAFTS, HIDDEN, SHARDS, TARGET_DIR, TRAIN_CHECKPOINT
 from dspark.schema import Sample
-from dspark.stages import DRAFTS, HIDDEN, SHARDS, TARGET_DIR, TRAIN_CHECKPOINT
 from dspark.train.batch import TargetHead, collate
 from dspark.train.checkpoint import load_state, load_tensors, read_state
 from dspark.train.losses import LossWeights

@@ -32,8 +32,8 @@ from dspark.errors import DataError
 from dspark.metrics import write_metrics
 from dspark.models.dspark import DSparkDraft
 from dspark.models.target import load_target_for
+from dspark.pipeline import DRAFTS, TARGET_DIR
 from dspark.schema import Sample
-from dspark.stages import DRAFTS, TARGET_DIR
 from evals.heldout_decode import one_line_errors, validation_samples
 
 ROOT = Path(__file__).resolve().parents[1]

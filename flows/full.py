@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from dspark import stages
+from dspark import pipeline
 from dspark.config import load_params
 from dspark.errors import ConfigError
 from dspark.headline import read_docs, read_table, summary
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def set_profile(params_file: Path, profile: str) -> None:
     """Make `profile` the file's active profile, touching only that line."""
     load_params(params_file, profile=profile)  # validate before writing
-    stages.check_profile_sections(params_file)
+    pipeline.check_profile_sections(params_file)
     text = params_file.read_text()
     new, n = re.subn(r"^profile:[^\n#]*", f"profile: {profile}", text, count=1, flags=re.M)
     if n != 1:
@@ -57,14 +57,14 @@ def dspark(profile: str = "default", root: str = str(ROOT)) -> dict:
     tracker.params(parent, params.flat())
     results, ok = {}, False
     try:
-        for stage in stages.STAGES:
+        for stage in pipeline.STAGES:
             results[stage.name] = STAGE_FLOWS[stage.name](profile, parent, str(root_path))
             logger.info("%s: %s", stage.name, "cached" if results[stage.name]["cached"] else "ran")
-        stages.write_run_summary(root_path, profile, {k: v["cached"] for k, v in results.items()})
+        pipeline.write_run_summary(root_path, profile, {k: v["cached"] for k, v in results.items()})
         # The headline figures, cached stages' included (their files are from the run that made
         # them): two pipeline runs compare in the runs table without opening their children.
-        tracker.headline(parent, (root_path / stages.RUN_SUMMARY).parent, profile)
-        tracker.artifact(parent, root_path / stages.RUN_SUMMARY)
+        tracker.headline(parent, (root_path / pipeline.RUN_SUMMARY).parent, profile)
+        tracker.artifact(parent, root_path / pipeline.RUN_SUMMARY)
         runs_page = tracker.ui_url()
         if runs_page:
             logger.info("MLflow: %s (this run: %s)", runs_page, tracker.ui_url(parent))
@@ -72,8 +72,8 @@ def dspark(profile: str = "default", root: str = str(ROOT)) -> dict:
             f"mlflow server --backend-store-uri {tracker.client.tracking_uri} "
             "--host 127.0.0.1 --port 5000 --workers 1, then http://127.0.0.1:5000"
         )
-        docs = read_docs((root_path / stages.RUN_SUMMARY).parent, profile)
-        full_dir = stages.FULL_DIR
+        docs = read_docs((root_path / pipeline.RUN_SUMMARY).parent, profile)
+        full_dir = pipeline.FULL_DIR
         full = None if profile == "full" else (full_dir, read_table(root_path / full_dir))
         logger.info("%s", summary(docs, mlflow, profile, full=full))
         ok = True

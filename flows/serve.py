@@ -20,8 +20,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
 from prefect.exceptions import ObjectNotFound
 
+from dspark.pipeline import STAGES
 from dspark.procs import supervise
-from dspark.stages import STAGES
 from flows.full import ROOT, dspark
 
 POOL = os.environ.get("DSPARK_POOL", "dspark")

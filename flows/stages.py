@@ -1,10 +1,10 @@
-"""One Prefect flow per registered stage, derived from dspark.stages.STAGES."""
+"""One Prefect flow per registered stage, derived from dspark.pipeline.STAGES."""
 
 from __future__ import annotations
 
 from prefect import flow
 
-from dspark.stages import STAGES
+from dspark.pipeline import STAGES
 from tasks.stage import run_stage
 
 

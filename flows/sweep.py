@@ -49,7 +49,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from dspark import stages
+from dspark import pipeline
 from dspark.config import load_params, parse_override
 from dspark.errors import ConfigError
 from dspark.io import atomic_path, write_text
@@ -112,7 +112,7 @@ def workspace_files(root: Path) -> list[Path]:
     watching the overlay section it changes: prepare reads train's block size), and they
     rewrite theirs."""
     names = ["params.yaml", "dvc.lock"]
-    for s in stages.STAGES:
+    for s in pipeline.STAGES:
         names += [s.metrics, *(p.path for p in s.plots)]
     return [root / n for n in dict.fromkeys(names) if (root / n).is_file()]
 
@@ -144,10 +144,10 @@ def sweep(
     logger = get_run_logger()
     root_path = Path(root)
     params_file = root_path / "params.yaml"
-    spec = stages.get(stage)
+    spec = pipeline.get(stage)
     fixed = fixed or {}
     settings = [{**fixed, **p} for p in points]
-    stages.check_profile_sections(params_file)
+    pipeline.check_profile_sections(params_file)
     for s in settings:  # every point validates before the first one runs
         load_params(params_file, overrides=overrides(s))
     stem = root_path / "metrics" / "sweeps" / name
@@ -222,7 +222,7 @@ def _equal_compute(
 
     params_file = root / "params.yaml"
     points = [load_params(params_file, overrides=overrides(s)) for s in settings]
-    costs = measure_step_costs(points, stages.train_paths(root), batches)
+    costs = measure_step_costs(points, pipeline.train_paths(root), batches)
     steps = equal_steps(costs, baseline_steps)
     return (
         [{**s, "train.max_steps": n} for s, n in zip(settings, steps, strict=True)],
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         points = [parse_point(p) for p in args.point]
         fixed = parse_point(" ".join(args.set)) if args.set else {}
-        stages.get(args.stage)
+        pipeline.get(args.stage)
         seeds = parse_seeds(args.seeds)
         if args.equal_compute is not None:
             check_equal_compute(args.equal_compute, args.cost_batches, args.stage, fixed, points)

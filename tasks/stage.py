@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from dspark import stages
+from dspark import pipeline
 from dspark.config import load_params
 from dspark.metrics import git_commit, read_events
 from tasks import proc
@@ -46,7 +46,7 @@ def skipped(name: str, out: str) -> str | None:
 def run_stage(name: str, profile: str, parent_run_id: str, root: str) -> dict:
     root_path = Path(root)
     logger = get_run_logger()
-    stage = stages.get(name)
+    stage = pipeline.get(name)
     params = load_params(root_path / "params.yaml", profile=profile)
     tracker = Tracker(params, root_path)
     run_id = tracker.start(

@@ -19,8 +19,8 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
+from dspark.pipeline import STAGES
 from dspark.procs import KILL_WAIT_S, SETTLE_S
-from dspark.stages import STAGES
 from flows.serve import STOP_GRACE_S
 
 from ..conftest import under_ci

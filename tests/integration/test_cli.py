@@ -2,7 +2,7 @@ import itertools
 import subprocess
 import sys
 
-from dspark.stages import STAGES, dvc_yaml, watched_params
+from dspark.pipeline import STAGES, dvc_yaml, watched_params
 
 from ..conftest import ROOT, tool_env
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dspark import codedeps
-from dspark.stages import STAGES, get
+from dspark.pipeline import STAGES, get
 
 LOADED = """
 import importlib, json, sys

@@ -136,10 +136,10 @@ METRICS_PATH = re.compile(r"metrics/[\w./-]+\.(?:json|csv|md)")
 
 
 def stage_outputs() -> set[str]:
-    from dspark import stages
+    from dspark import pipeline
 
-    written = {s.metrics for s in stages.STAGES}
-    return written | {stages.RUN_SUMMARY, stages.EVAL_REPORT, stages.BENCH_REPORT}
+    written = {s.metrics for s in pipeline.STAGES}
+    return written | {pipeline.RUN_SUMMARY, pipeline.EVAL_REPORT, pipeline.BENCH_REPORT}
 
 
 def metrics_layout_problems(root: Path, pages: str, written: set[str]) -> list[str]:

@@ -4,7 +4,7 @@ import sys
 import time
 from dataclasses import replace
 
-from dspark import stages
+from dspark import pipeline
 from dspark.codedeps import ROOT
 from dspark.config import load_params
 from dspark.metrics import EventLog, git_commit, read_events, write_metrics
@@ -65,9 +65,9 @@ def test_a_stage_records_its_cpu_time_and_its_childrens(tmp_path):
         time.sleep(0.3)  # waiting: wall time, not CPU time
         return {}
 
-    stage = replace(stages.get("export"), run=work)
+    stage = replace(pipeline.get("export"), run=work)
     params = load_params(ROOT / "params.yaml", profile="smoke")
-    doc = stages.run_stage(stage, stages.StageContext(params=params, root=tmp_path))
+    doc = pipeline.run_stage(stage, pipeline.StageContext(params=params, root=tmp_path))
     assert 0.6 <= doc["cpu_s"] < doc["wall_s"] + 0.4  # the child's 0.4 s ran while we waited
     assert json.loads((tmp_path / stage.metrics).read_text())["cpu_s"] == doc["cpu_s"]
 
@@ -76,21 +76,21 @@ def test_the_run_summary_totals_cpu_only_when_every_stage_has_it(tmp_path):
     (tmp_path / "metrics").mkdir()
     for name, cpu in (("provision", 10.0), ("train", 300.5)):
         doc = {"profile": "full", "wall_s": 100.0, "cpu_s": cpu}
-        (tmp_path / stages.get(name).metrics).write_text(json.dumps(doc))
-    run = stages.write_run_summary(tmp_path, "full")
+        (tmp_path / pipeline.get(name).metrics).write_text(json.dumps(doc))
+    run = pipeline.write_run_summary(tmp_path, "full")
     assert run["total_cpu_s"] == 310.5 and run["stages"]["train"]["cpu_s"] == 300.5
-    (tmp_path / stages.get("export").metrics).write_text('{"profile": "full", "wall_s": 1.0}')
-    run = stages.write_run_summary(tmp_path, "full")  # a file from before cpu_s was recorded
+    (tmp_path / pipeline.get("export").metrics).write_text('{"profile": "full", "wall_s": 1.0}')
+    run = pipeline.write_run_summary(tmp_path, "full")  # a file from before cpu_s was recorded
     assert run["total_cpu_s"] is None and run["total_wall_s"] == 201.0
 
 
 def test_the_run_summary_writes_the_headline_table_beside_it(tmp_path):
     (tmp_path / "metrics").mkdir()
     ev = {"profile": "full", "wall_s": 1.0, "mean": {"dspark": 1.5, "none": 1.0}}
-    (tmp_path / stages.get("evaluate").metrics).write_text(json.dumps(ev))
+    (tmp_path / pipeline.get("evaluate").metrics).write_text(json.dumps(ev))
     other = {"profile": "default", "wall_s": 1.0, "tok_s": 300.0}  # another profile's run
-    (tmp_path / stages.get("extract").metrics).write_text(json.dumps(other))
-    stages.write_run_summary(tmp_path, "full")
+    (tmp_path / pipeline.get("extract").metrics).write_text(json.dumps(other))
+    pipeline.write_run_summary(tmp_path, "full")
     folder = tmp_path / "metrics" / "headline"
     assert [p.name for p in folder.iterdir()] == ["tau.json"]
     assert json.loads((folder / "tau.json").read_text()) == {"dspark": 1.5}

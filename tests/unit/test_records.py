@@ -4,8 +4,8 @@ fingerprinted by the same code files DVC hashes for the stage."""
 import json
 from pathlib import Path
 
+from dspark.pipeline import BY_NAME
 from dspark.records import PKG, Records, code_files, fingerprint
-from dspark.stages import BY_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def test_each_recorded_stage_passes_its_own_deps_down_for_the_fingerprint(tmp_pa
     import dspark.evaluate.stage
     import dspark.serve.bench
     from dspark.config import load_params
-    from dspark.stages import StageContext
+    from dspark.pipeline import StageContext
 
     seen = {}
     monkeypatch.setattr(

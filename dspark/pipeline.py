@@ -1,5 +1,5 @@
-"""The stage registry: the one list from which the CLI subcommands, dvc.yaml and the Prefect
-flows are derived, so the three cannot drift apart.
+"""The pipeline: the stage registry, the stages in order, and the one list from which the CLI
+subcommands, dvc.yaml and the Prefect flows are derived, so the three cannot drift apart.
 
 A stage is one library call with its params sections, its inputs and outputs (paths relative to
 the repo root) and one metrics file. The chain grows as stages land; none is faked.
@@ -495,6 +495,6 @@ def dvc_yaml() -> str:
         stages[s.name] = {k: v for k, v in entry.items() if v is not None}
     doc = {"stages": stages, "metrics": [RUN_SUMMARY, *FULL_METRICS]}
     header = (
-        "# Generated from dspark/stages.py by `dspark dvc-yaml`: edit the registry, not this.\n"
+        "# Generated from dspark/pipeline.py by `dspark dvc-yaml`: edit the registry, not this.\n"
     )
     return header + yaml.safe_dump(doc, sort_keys=False, width=100)
