@@ -119,13 +119,13 @@ class Stage:
 
 
 def _provision(ctx: StageContext) -> dict:
-    from dspark.provision import provision
+    from dspark.provision import provision_stage
 
-    return provision(ctx.params, ctx.path(TARGET_DIR), ctx.path(PLAN), ctx.root)
+    return provision_stage(ctx.params, ctx.path(TARGET_DIR), ctx.path(PLAN), ctx.root)
 
 
 def _prepare(ctx: StageContext) -> dict:
-    from dspark.data.prepare import PreparePaths, prepare
+    from dspark.data.prepare import PreparePaths, prepare_stage
     from dspark.data.prompts import read_prompt_file
     from dspark.models.target import load_target_for, set_threads
     from dspark.servers.vllm_server import default_venv
@@ -143,13 +143,15 @@ def _prepare(ctx: StageContext) -> dict:
         vllm_log=ctx.path(PREPARE_VLLM_LOG),
         vllm_venv=default_venv(ctx.root),
     )
-    return prepare(ctx.params, target, paths, eval_file=ctx.prompts_file, progress=ctx.progress)
+    return prepare_stage(
+        ctx.params, target, paths, eval_file=ctx.prompts_file, progress=ctx.progress
+    )
 
 
 def _extract(ctx: StageContext) -> dict:
-    from dspark.extract.stage import extract
+    from dspark.extract.stage import extract_stage
 
-    return extract(
+    return extract_stage(
         ctx.params,
         target_dir=ctx.path(TARGET_DIR),
         shards_dir=ctx.path(SHARDS),
@@ -180,9 +182,9 @@ def train_paths(root: Path):
 
 
 def _train(ctx: StageContext) -> dict:
-    from dspark.train.stage import train
+    from dspark.train.stage import train_stage
 
-    return train(ctx.params, train_paths(ctx.root), progress=ctx.progress)
+    return train_stage(ctx.params, train_paths(ctx.root), progress=ctx.progress)
 
 
 def _export(ctx: StageContext) -> dict:
@@ -197,7 +199,7 @@ def _export(ctx: StageContext) -> dict:
 
 
 def _evaluate(ctx: StageContext) -> dict:
-    from dspark.evaluate.stage import EvalPaths, evaluate
+    from dspark.evaluate.stage import EvalPaths, evaluate_stage
 
     paths = EvalPaths(
         target=ctx.path(TARGET_DIR),
@@ -209,11 +211,11 @@ def _evaluate(ctx: StageContext) -> dict:
         events=ctx.path(BY_NAME["evaluate"].events),
         code=BY_NAME["evaluate"].deps,
     )
-    return evaluate(ctx.params, paths, prompts_file=ctx.prompts_file, progress=ctx.progress)
+    return evaluate_stage(ctx.params, paths, prompts_file=ctx.prompts_file, progress=ctx.progress)
 
 
 def _benchmark(ctx: StageContext) -> dict:
-    from dspark.serve.bench import BenchPaths, benchmark
+    from dspark.serve.bench import BenchPaths, benchmark_stage
 
     paths = BenchPaths(
         target=ctx.path(TARGET_DIR),
@@ -226,7 +228,7 @@ def _benchmark(ctx: StageContext) -> dict:
         code=BY_NAME["benchmark"].deps,
         offline=ctx.path(BY_NAME["evaluate"].metrics),
     )
-    return benchmark(ctx.params, paths, ctx.root, progress=ctx.progress)
+    return benchmark_stage(ctx.params, paths, ctx.root, progress=ctx.progress)
 
 
 # Code and data packages whose versions a run's results depend on.

@@ -118,7 +118,9 @@ def plan_only(params: Params, spec: ClusterSpec) -> dict:
     return plan_gpu(spec, params) if spec.kind == "cluster" else plan_cpu(spec, params)
 
 
-def provision(params: Params, target_dir: Path, plan_path: Path, workdir: Path = Path(".")) -> dict:
+def provision_stage(
+    params: Params, target_dir: Path, plan_path: Path, workdir: Path = Path(".")
+) -> dict:
     """Run the stage; write the plan; return its metrics. Raises ResourceError on a shortfall."""
     t0 = time.perf_counter()
     spec = resolve_spec(params.provision.spec)

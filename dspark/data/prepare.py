@@ -185,7 +185,7 @@ def _responses(
     return out, len(regen)  # type: ignore[return-value]
 
 
-def prepare(
+def prepare_stage(
     params: Params,
     target: Target,
     paths: PreparePaths,

@@ -85,7 +85,7 @@ def select_prompts(
     return out
 
 
-def evaluate(
+def evaluate_stage(
     params: Params, paths: EvalPaths, prompts_file: Path | None = None, progress: bool = True
 ) -> dict:
     cfg = params.evaluate

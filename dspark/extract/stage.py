@@ -238,7 +238,7 @@ def resume_fingerprint(params: Params, target_dir: Path, shards_dir: Path) -> st
     return fingerprint(basis, files, ())
 
 
-def extract(
+def extract_stage(
     params: Params,
     *,
     target_dir: Path,

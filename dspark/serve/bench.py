@@ -72,7 +72,7 @@ def bench_records(params: Params, paths: BenchPaths) -> Records:
     return Records(paths.records, fingerprint(basis, [*drafted, paths.prompts], paths.code))
 
 
-def benchmark(
+def benchmark_stage(
     params: Params, paths: BenchPaths, root: Path, log=say, progress: bool = True
 ) -> dict:
     from dspark.models.target import load_target_for

@@ -163,7 +163,7 @@ def run_fingerprint(params: Params, paths: TrainPaths, tokens_doc: dict) -> str:
     )
 
 
-def train(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
+def train_stage(params: Params, paths: TrainPaths, progress: bool = True) -> dict:
     """Run the stage; return its metrics. With train.world_size > 1 this process is rank 0
     and starts the other ranks."""
     check_ranks(params.train, params.extract)

@@ -31,7 +31,7 @@ from dspark.models.vocab import build_draft_ids, count_tokens
 from dspark.train.batch import TargetHead
 from dspark.train.distributed import Ranks, backend, rank_device
 from dspark.train.sources import HiddenShards, Source, epoch_plan
-from dspark.train.stage import TrainPaths, build_runs, train
+from dspark.train.stage import TrainPaths, build_runs, train_stage
 from dspark.train.trainer import Trainer
 from dspark.transport.files import HiddenShardWriter
 
@@ -117,13 +117,13 @@ def test_two_ranks_train_every_draft_as_one_process_does(tiny_target_dir, data, 
     """The whole stage, rank 1 spawned by it: the DSpark draft, its Markov ablations, DFlash and
     EAGLE-3 (its chains sampled, so rank 1 replays rank 0's draws) come out as one process
     trains them, and only rank 0 writes."""
-    one = train(
+    one = train_stage(
         smoke("train.markov_ablation=true", "train.eagle3.max_anchors=6"),
         stage_paths(tiny_target_dir, data, tmp_path / "1"),
         progress=False,
     )
     paths = stage_paths(tiny_target_dir, data, tmp_path / "2")
-    two = train(
+    two = train_stage(
         smoke("train.markov_ablation=true", "train.eagle3.max_anchors=6", "train.world_size=2"),
         paths,
         progress=False,
@@ -219,7 +219,7 @@ def test_online_world_size_must_match_the_stream_consumers(tmp_path):
     """Rejected before anything loads; offline, the ranks read shards and any count does."""
     params = smoke("extract.mode=online", "train.world_size=2")
     with pytest.raises(ConfigError, match=r"^train\.world_size: 2 ranks, but extract\.consumers"):
-        train(params, stage_paths(tmp_path, (tmp_path, tmp_path), tmp_path))
+        train_stage(params, stage_paths(tmp_path, (tmp_path, tmp_path), tmp_path))
     check_ranks(smoke("train.world_size=2").train, smoke().extract)  # offline: any consumers
     with pytest.raises(ConfigError, match=r"train\.world_size: .*a rank would never get a sample"):
         smoke("train.world_size=8")
@@ -237,7 +237,7 @@ def test_cuda_without_a_gpu_is_refused_before_any_rank_starts(tiny_target_dir, d
     for world in (1, 2):
         paths = stage_paths(tiny_target_dir, data, tmp_path / str(world))
         with pytest.raises(ResourceError, match=r"^train\.device: cuda"):
-            train(smoke("train.device=cuda", f"train.world_size={world}"), paths)
+            train_stage(smoke("train.device=cuda", f"train.world_size={world}"), paths)
         assert not paths.drafts.exists() and not paths.checkpoint.exists()
     with pytest.raises(ConfigError, match=r"train\.device"):
         smoke("train.device=tpu")
@@ -248,7 +248,9 @@ def test_two_ranks_each_consume_their_share_of_the_stream(tiny_target_dir, data,
     """Online: each rank is one consumer of one stream (its own coordinator, the same
     producers), and trains what one process trains offline on the same hidden states."""
     offline = tmp_path / "offline"
-    train(smoke("train.epochs=1"), stage_paths(tiny_target_dir, data, offline), progress=False)
+    train_stage(
+        smoke("train.epochs=1"), stage_paths(tiny_target_dir, data, offline), progress=False
+    )
     paths = stage_paths(tiny_target_dir, data, tmp_path / "online")
     online = smoke(
         "train.epochs=1",  # the stream is set up once per epoch
@@ -257,7 +259,7 @@ def test_two_ranks_each_consume_their_share_of_the_stream(tiny_target_dir, data,
         "extract.consumers=2",
         "train.world_size=2",
     )
-    out = train(online, paths, progress=False)
+    out = train_stage(online, paths, progress=False)
     assert out["source"] == "stream" and out["steps"] == 3
     got, want = drafts(paths.drafts), drafts(offline / "drafts")
     for name in want:
@@ -278,7 +280,9 @@ def test_an_error_on_another_rank_fails_the_stage_with_that_error(tiny_target_di
     (hidden / "manifest.json").write_text(json.dumps(doc))
     before = children()
     with pytest.raises(DataError, match=rf"^train rank 1: .*no sample {lost}$"):
-        train(params, stage_paths(tiny_target_dir, (data[0], hidden), tmp_path), progress=False)
+        train_stage(
+            params, stage_paths(tiny_target_dir, (data[0], hidden), tmp_path), progress=False
+        )
     assert children() <= before
 
 
@@ -292,10 +296,11 @@ TORCHRUN_RANK = """
 import json, sys
 from pathlib import Path
 from dspark.config import Params
-from dspark.train.stage import TrainPaths, train
+from dspark.train.stage import TrainPaths, train_stage
 job = json.loads(Path(sys.argv[1]).read_text())
 paths = TrainPaths(**{k: Path(v) for k, v in job["paths"].items()})
-print("METRICS", json.dumps(train(Params.model_validate(job["params"]), paths, progress=False)))
+metrics = train_stage(Params.model_validate(job["params"]), paths, progress=False)
+print("METRICS", json.dumps(metrics))
 """
 
 
@@ -306,7 +311,7 @@ def test_torchrun_ranks_train_as_one_process_does(tiny_target_dir, data, tmp_pat
     import subprocess
     import sys
 
-    one = train(smoke(), stage_paths(tiny_target_dir, data, tmp_path / "1"), progress=False)
+    one = train_stage(smoke(), stage_paths(tiny_target_dir, data, tmp_path / "1"), progress=False)
     paths = stage_paths(tiny_target_dir, data, tmp_path / "2")
     job = tmp_path / "job.json"
     doc = {
@@ -352,11 +357,11 @@ import json, sys
 from pathlib import Path
 from dspark.config import Params
 from dspark.stopping import Stopped
-from dspark.train.stage import TrainPaths, train
+from dspark.train.stage import TrainPaths, train_stage
 job = json.loads(Path(sys.argv[1]).read_text())
 paths = TrainPaths(**{k: Path(v) for k, v in job["paths"].items()})
 try:
-    train(Params.model_validate(job["params"]), paths, progress=False)
+    train_stage(Params.model_validate(job["params"]), paths, progress=False)
 except Stopped as e:
     print(e, file=sys.stderr)
     sys.exit(e.code)
@@ -421,7 +426,7 @@ def test_sigterm_to_the_whole_group_checkpoints_the_step_and_resumes(
     assert not paths.drafts.exists()  # the stage did not finish: no drafts
     assert not [p for p in started if _running(p)]
 
-    out = train(params, paths, progress=False)
+    out = train_stage(params, paths, progress=False)
     assert out["resumed_from_step"] == step and out["steps"] == 9
 
 

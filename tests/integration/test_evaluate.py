@@ -15,7 +15,7 @@ from dspark.config import load_params
 from dspark.data.prompts import read_prompt_file
 from dspark.decode.proposers import Proposal, Proposer
 from dspark.errors import DataError
-from dspark.evaluate.stage import EvalPaths, Evaluation, evaluate, select_prompts
+from dspark.evaluate.stage import EvalPaths, Evaluation, evaluate_stage, select_prompts
 from dspark.io import atomic_dir
 from dspark.models.dspark import DSparkDraft
 from dspark.train.checkpoint import save_draft
@@ -78,7 +78,7 @@ def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
     )
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    result = evaluate(params(), paths)
+    result = evaluate_stage(params(), paths)
     wall = time.perf_counter() - t0
     assert result["resumed_decodes"] == 0
     assert result["prompts"] == {"math_reasoning": 2, "writing": 1, "long_context": 1}
@@ -121,20 +121,20 @@ def test_evaluate_every_method_losslessly(tiny_target_dir, drafts, tmp_path):
     # included, with nothing decoded again. A record cut short by a stop is dropped, not trusted.
     record = next((tmp_path / "records").glob("*.jsonl"))
     lines = record.read_text().splitlines()
-    again = evaluate(params(), paths)
+    again = evaluate_stage(params(), paths)
     assert again["resumed_decodes"] == len(lines)
     for key in ("categories", "mean", "overall", "sampling", "calibration", "lossless"):
         assert again[key] == result[key], key
     record.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
-    cut = evaluate(params(), paths)
+    cut = evaluate_stage(params(), paths)
     assert cut["resumed_decodes"] == len(lines) - 1 and cut["mean"] == result["mean"]
     # A prompt's new cap decodes that prompt again, and only that one ...
-    other = evaluate(params("evaluate.max_new_tokens.writing=10"), paths)
+    other = evaluate_stage(params("evaluate.max_new_tokens.writing=10"), paths)
     writing = sum(k.startswith("w|") for k in map(lambda ln: ln.split('"')[3], lines))
     assert other["resumed_decodes"] == len(lines) - writing
     # ... while what decides every decode (here the sampling temperature) starts afresh: the
     # old record goes, even for a selection that decodes far less (one method, one prompt).
-    hotter = evaluate(
+    hotter = evaluate_stage(
         params(
             "evaluate.temperature=0.9", "evaluate.methods=[none]", "evaluate.prompts_per_category=1"
         ),
@@ -153,7 +153,7 @@ def test_missing_draft_is_a_clear_error(tiny_target_dir, tmp_path):
         records=tmp_path / "records",
     )
     with pytest.raises(DataError, match="no trained dspark draft"):
-        evaluate(params(), paths)
+        evaluate_stage(params(), paths)
 
 
 @pytest.mark.parametrize(
@@ -214,7 +214,7 @@ def test_a_batch_decodes_each_prompt_as_it_decodes_alone(tiny_target_dir, drafts
             records=tmp_path / f"records{batch}",
         )
         over = ["evaluate.lm_eval.limit=0"]
-        evaluate(params(f"evaluate.batch_size={batch}", *over), paths)
+        evaluate_stage(params(f"evaluate.batch_size={batch}", *over), paths)
         record = next((tmp_path / f"records{batch}").glob("*.jsonl"))
         recs = [json.loads(line) for line in record.read_text().splitlines()]
         return {r["key"]: r for r in recs}
@@ -245,7 +245,7 @@ def test_the_hybrid_is_evaluated_like_every_method(tiny_target_dir, drafts, tmp_
         (tmp_path / str(batch)).mkdir()
         paths = eval_paths(tiny_target_dir, drafts, tmp_path / str(batch))
         over = [methods, f"evaluate.batch_size={batch}", "evaluate.lm_eval.limit=0"]
-        result = evaluate(params(*over), paths)
+        result = evaluate_stage(params(*over), paths)
         record = next(paths.records.glob("*.jsonl"))
         recs = [json.loads(line) for line in record.read_text().splitlines()]
         return result, {r["key"]: r for r in recs if r["key"].endswith("|hybrid|replay")}
@@ -298,7 +298,7 @@ def test_the_markov_ablation_decodes_beside_dspark(
 
     monkeypatch.setattr("dspark.progress.LINE_INTERVAL_S", 0.0)  # a line per batch
     capsys.readouterr()
-    result = evaluate(p, paths)
+    result = evaluate_stage(p, paths)
     # Off a terminal (a pipe under Prefect, here pytest's capture), progress is whole lines, a
     # bar per method over the prompts.
     err = capsys.readouterr().err
@@ -317,7 +317,7 @@ def test_the_markov_ablation_decodes_beside_dspark(
     for label in ("dspark", "none", "dspark_gated", "dspark_rnn", "dspark_rank0"):
         assert records.count(f"|{label}|replay") == 2, label
     assert "Markov ablation" in paths.report.read_text()
-    evaluate(p, paths, progress=False)  # `--no-progress`: replays the records, says nothing
+    evaluate_stage(p, paths, progress=False)  # `--no-progress`: replays the records, says nothing
     assert "evaluate:" not in capsys.readouterr().err
 
 
@@ -369,7 +369,7 @@ def test_categories_pick_what_is_evaluated_and_live_prompts_go_shortest_first(
     in the order of their shortest prompt (math's 22 characters before writing's 31)."""
     paths = eval_paths(tiny_target_dir, drafts, tmp_path)
     with pytest.raises(DataError, match=r"^evaluate\.categories: .* no 'HumanEval' prompts"):
-        evaluate(params("evaluate.categories=[writing, HumanEval]"), paths)
+        evaluate_stage(params("evaluate.categories=[writing, HumanEval]"), paths)
     ev = Evaluation(params(), tiny_target, paths)
     live = ev.live_prompts(select_prompts(read_prompt_file(paths.prompts), 2, 1))
     assert [p.id for p in live] == ["m2", "w", "m"]

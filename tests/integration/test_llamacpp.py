@@ -19,7 +19,7 @@ from dspark.config import load_params
 from dspark.decode.decoder import SpecDecoder
 from dspark.decode.llama import Llama
 from dspark.decode.proposers import NoProposer
-from dspark.serve.bench import BenchPaths, benchmark
+from dspark.serve.bench import BenchPaths, benchmark_stage
 from dspark.serve.client import closed_loop
 from dspark.servers.llamacpp import OWN_DEFAULTS_OFF, LlamacppServer, f32_gguf
 from tests.conftest import ROOT, skip_or_fail
@@ -159,7 +159,7 @@ def test_the_benchmark_serves_llamacpp_beside_ours(venv, smollm2_dir, tmp_path, 
             "provision.threads=1",  # as the servers above: nothing here is timed
         ],
     )  # fmt: skip
-    result = benchmark(params, paths, tmp_path, log=lambda line: None, progress=False)
+    result = benchmark_stage(params, paths, tmp_path, log=lambda line: None, progress=False)
     cells = {(c["mode"], c["concurrency"]): c for c in result["cells"]}
     assert set(cells) == {(m, c) for m in ("none", "llamacpp", "llamacpp_lookup") for c in (1, 2)}
     for (mode, c), x in cells.items():

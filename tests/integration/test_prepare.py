@@ -4,7 +4,7 @@ import pytest
 
 from dspark.config import load_params
 from dspark.data import shards
-from dspark.data.prepare import PreparePaths, prepare
+from dspark.data.prepare import PreparePaths, prepare_stage
 from dspark.data.prompts import read_prompt_file
 from dspark.errors import DataError
 
@@ -42,7 +42,7 @@ def run(tiny_target, tiny_target_dir, tmp_path, train_file, *sets):
         events=tmp_path / "events.jsonl",
         lengths_plot=tmp_path / "lengths.csv",
     )
-    return prepare(params, tiny_target, paths, progress=False), paths
+    return prepare_stage(params, tiny_target, paths, progress=False), paths
 
 
 def test_shards_masks_and_eval_exclusion(tiny_target, tiny_target_dir, tmp_path, train_file):
@@ -93,7 +93,7 @@ def test_kept_answers_come_from_the_dataset(tiny_target, tiny_target_dir, tmp_pa
     paths = PreparePaths(
         target=tiny_target_dir, shards=tmp_path / "s", eval_prompts=tmp_path / "e.jsonl"
     )
-    metrics = prepare(params, tiny_target, paths, progress=False)
+    metrics = prepare_stage(params, tiny_target, paths, progress=False)
     assert metrics["regenerated"] == 0 and metrics["kept_from_dataset"] == 4
     s = next(shards.iter_samples(paths.shards))
     response = s.input_ids[s.loss_mask].tolist()
@@ -134,7 +134,7 @@ def test_no_usable_prompts(tiny_target, tiny_target_dir, tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"category": "x", "prompt": "word " * 400}])
     params, paths = from_prompt_file(path, tiny_target_dir, tmp_path)
     with pytest.raises(DataError, match="give 0 usable prompts"):
-        prepare(params, tiny_target, paths, progress=False)
+        prepare_stage(params, tiny_target, paths, progress=False)
 
 
 def test_too_few_prompts_for_num_samples_fails_before_generating(
@@ -152,7 +152,7 @@ def test_too_few_prompts_for_num_samples_fails_before_generating(
         r"than prepare.max_prompt_tokens, 1 duplicates, 0 in the eval set\)"
     )
     with pytest.raises(DataError, match=message):
-        prepare(params, tiny_target, paths, progress=False)
+        prepare_stage(params, tiny_target, paths, progress=False)
     assert not list(paths.shards.glob("*.safetensors"))
 
 

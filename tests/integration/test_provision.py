@@ -4,20 +4,20 @@ import pytest
 
 from dspark.config import load_params
 from dspark.errors import ResourceError
-from dspark.provision import estimate, provision
+from dspark.provision import estimate, provision_stage
 
 from ..conftest import ROOT
 
 
 def test_plan_is_written_and_target_reused(tmp_path, monkeypatch):
     params = load_params(ROOT / "params.yaml", profile="smoke")
-    metrics = provision(params, tmp_path / "target", tmp_path / "plan.json", tmp_path)
+    metrics = provision_stage(params, tmp_path / "target", tmp_path / "plan.json", tmp_path)
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["architecture"]["num_layers"] == 2 and plan["target"]["kind"] == "tiny-random"
     assert {c["name"] for c in plan["checks"]} == {"memory", "disk", "cpus"}
     assert all(c["ok"] for c in plan["checks"]) and metrics["checks_failed"] == 0
     stamp = (tmp_path / "target" / "model.safetensors").stat().st_mtime_ns
-    provision(params, tmp_path / "target", tmp_path / "plan.json", tmp_path)
+    provision_stage(params, tmp_path / "target", tmp_path / "plan.json", tmp_path)
     assert (tmp_path / "target" / "model.safetensors").stat().st_mtime_ns == stamp
 
 
@@ -26,7 +26,7 @@ def test_shortfall_fails_up_front_or_warns(tmp_path):
         ROOT / "params.yaml", profile="smoke", overrides=["provision.memory_headroom=1e9"]
     )
     with pytest.raises(ResourceError, match="provision: memory: the profile needs"):
-        provision(params, tmp_path / "target", tmp_path / "plan.json", tmp_path)
+        provision_stage(params, tmp_path / "target", tmp_path / "plan.json", tmp_path)
     assert json.loads((tmp_path / "plan.json").read_text())["checks"][0]["ok"] is False
     warn = load_params(
         ROOT / "params.yaml",
@@ -34,7 +34,10 @@ def test_shortfall_fails_up_front_or_warns(tmp_path):
         overrides=["provision.memory_headroom=1e9", "provision.on_shortfall=warn"],
     )
     assert (
-        provision(warn, tmp_path / "target", tmp_path / "plan.json", tmp_path)["checks_failed"] == 1
+        provision_stage(warn, tmp_path / "target", tmp_path / "plan.json", tmp_path)[
+            "checks_failed"
+        ]
+        == 1
     )
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dspark.config import load_params
-from dspark.serve.bench import BenchPaths, benchmark
+from dspark.serve.bench import BenchPaths, benchmark_stage
 from tests.conftest import ROOT, write_jsonl
 from tests.unit.test_spec_decode import save_trained_drafts
 
@@ -321,9 +321,9 @@ def test_benchmark_stage(workdir, tmp_path):
     params = bench_params("benchmark.rounds=2")
     first, second, lines = [], [], []
     with pytest.raises(_Stop):
-        benchmark(params, paths, workdir, log=_stop_at("mix ", first))
+        benchmark_stage(params, paths, workdir, log=_stop_at("mix ", first))
     with pytest.raises(_Stop):
-        benchmark(params, paths, workdir, log=_stop_at("predicted single-stream", second))
+        benchmark_stage(params, paths, workdir, log=_stop_at("predicted single-stream", second))
     assert sum("recorded by an earlier run" in line for line in second) == 2
     measured = [tuple(line.split()[1:5]) for line in second if " tok/s, TTFT p50 " in line]
     one, two = (
@@ -340,7 +340,7 @@ def test_benchmark_stage(workdir, tmp_path):
     for turn in (1, 2):
         log = (tmp_path / "logs" / f"dspark_adaptive.round{turn}.log").read_text()
         assert "dspark endpoint: dspark_adaptive on http://" in log
-    result = benchmark(params, paths, workdir, log=lines.append)
+    result = benchmark_stage(params, paths, workdir, log=lines.append)
     assert lines[0] == "all 3 cells recorded by an earlier run: nothing to measure"
     assert not any(" tok/s, TTFT p50 " in line for line in lines)
     assert not any(line.startswith("benchmark: starting") for line in lines)

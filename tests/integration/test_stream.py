@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from dspark.config import load_params
-from dspark.data.prepare import PreparePaths, prepare
+from dspark.data.prepare import PreparePaths, prepare_stage
 from dspark.data.shards import TokenSample, iter_samples
 from dspark.errors import ResourceError
 from dspark.extract.capture import HiddenStateCapture
 from dspark.extract.content import differing
 from dspark.extract.producer import ProducerConfig
-from dspark.extract.stage import extract, open_stream
+from dspark.extract.stage import extract_stage, open_stream
 from dspark.transport.files import iter_hidden
 from dspark.transport.stores import TransportError
 from dspark.transport.stream import StreamConsumer, batches
@@ -58,7 +58,7 @@ def prepared(tiny_target, tiny_target_dir, tmp_path_factory):
     paths = PreparePaths(
         target=tiny_target_dir, shards=folder / "shards", eval_prompts=folder / "eval.jsonl"
     )
-    prepare(params, tiny_target, paths, progress=False)
+    prepare_stage(params, tiny_target, paths, progress=False)
     return paths.shards
 
 
@@ -120,7 +120,7 @@ def test_two_producers_over_mooncake_every_sample_verified(
     tiny_target, tiny_target_dir, prepared, tmp_path
 ):
     params = stream_params("extract.mode=hybrid")
-    metrics = extract(
+    metrics = extract_stage(
         params,
         target_dir=tiny_target_dir,
         shards_dir=prepared,
@@ -144,7 +144,7 @@ def test_producers_answer_prompts_as_they_capture(tiny_target, tiny_target_dir, 
 
     params, paths, prepared = answered_here(tiny_target, tiny_target_dir, tmp_path)
     assert prepared["response_tokens"] == 0 and prepared["gen_tok_s"] is None
-    metrics = extract(
+    metrics = extract_stage(
         params,
         target_dir=tiny_target_dir,
         shards_dir=paths.shards,
@@ -192,11 +192,11 @@ def answered_here(tiny_target, tiny_target_dir, tmp_path):
     paths = PreparePaths(
         target=tiny_target_dir, shards=tmp_path / "shards", eval_prompts=tmp_path / "eval.jsonl"
     )
-    return params, paths, prepare(params, tiny_target, paths, progress=False)
+    return params, paths, prepare_stage(params, tiny_target, paths, progress=False)
 
 
 def extract_into(params, tiny_target_dir, paths, out, overrides=None) -> dict:
-    return extract(
+    return extract_stage(
         params,
         target_dir=tiny_target_dir,
         shards_dir=paths.shards,
@@ -276,7 +276,7 @@ def test_the_stage_waits_for_a_first_sample_as_long_as_extract_idle_timeout_says
     fail the stream, naming the wait."""
     params = stream_params("extract.mode=offline", "extract.idle_timeout=0.5")
     with pytest.raises(TransportError, match=r"^stream: nothing received for 0\.5 s, and no"):
-        extract(
+        extract_stage(
             params,
             target_dir=tiny_target_dir,
             shards_dir=prepared,
@@ -298,7 +298,7 @@ def test_a_stopped_extraction_resumes_after_its_last_shard(
             raise Stop
 
     with pytest.raises(Stop):
-        extract(
+        extract_stage(
             params,
             target_dir=tiny_target_dir,
             shards_dir=prepared,
@@ -306,7 +306,7 @@ def test_a_stopped_extraction_resumes_after_its_last_shard(
             progress=False,
             on_sample=stop_at_tenth,
         )
-    metrics = extract(
+    metrics = extract_stage(
         params, target_dir=tiny_target_dir, shards_dir=prepared, out_dir=out, progress=False
     )
     assert metrics["resumed_samples"] == 8 and metrics["samples_received"] == NUM - 8
@@ -317,7 +317,7 @@ def test_a_stopped_extraction_resumes_after_its_last_shard(
     # Finished, then run again (DVC reruns it when its code changes): every shard is kept, and
     # no producer starts.
     manifest = (out / "manifest.json").read_bytes()
-    again = extract(
+    again = extract_stage(
         params, target_dir=tiny_target_dir, shards_dir=prepared, out_dir=out, progress=False
     )
     assert again["resumed_samples"] == NUM and again["samples_received"] == 0
@@ -688,8 +688,9 @@ def test_stream_crosses_network_namespaces(tiny_target, tiny_target_dir, prepare
         script = (
             "import sys; from pathlib import Path\n"
             "from tests.integration.test_stream import stream_params\n"
-            "from dspark.extract.stage import extract\n"
-            f"m = extract(stream_params(*{sets!r}), target_dir=Path({str(tiny_target_dir)!r}),"
+            "from dspark.extract.stage import extract_stage\n"
+            f"m = extract_stage(stream_params(*{sets!r}),"
+            f" target_dir=Path({str(tiny_target_dir)!r}),"
             f" shards_dir=Path({str(prepared)!r}), out_dir=Path({str(tmp_path / 'hidden')!r}),"
             " progress=False)\n"
             "print(m['bytes_received'])\n"
@@ -710,7 +711,7 @@ def test_stream_crosses_network_namespaces(tiny_target, tiny_target_dir, prepare
         )
         # Outside the training node the stage refuses, naming the fix.
         with pytest.raises(Exception, match="the consumer belongs on node train-0"):
-            extract(
+            extract_stage(
                 stream_params(*sets),
                 target_dir=tiny_target_dir,
                 shards_dir=prepared,
@@ -726,12 +727,12 @@ EXTRACT = """
 import json, sys, time
 from pathlib import Path
 from dspark.config import Params
-from dspark.extract.stage import extract
+from dspark.extract.stage import extract_stage
 job = json.loads(sys.argv[1])
 def slowly(sample):
     print("sample", sample.sample_id, flush=True)
     time.sleep(0.5)
-extract(Params.model_validate(job["params"]), target_dir=Path(job["target"]),
+extract_stage(Params.model_validate(job["params"]), target_dir=Path(job["target"]),
         shards_dir=Path(job["shards"]), out_dir=Path(job["out"]), progress=False,
         on_sample=slowly)
 """

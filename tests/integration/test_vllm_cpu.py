@@ -16,7 +16,7 @@ import pytest
 from dspark.config import SamplingConfig, load_params
 from dspark.data import shards
 from dspark.data.generate import generate_batch
-from dspark.data.prepare import PreparePaths, prepare
+from dspark.data.prepare import PreparePaths, prepare_stage
 from dspark.serve.client import closed_loop, summarize
 from dspark.servers.vllm_server import VllmServer
 
@@ -108,7 +108,7 @@ def test_prepare_regenerates_through_vllm(venv, smollm2, smollm2_dir, tmp_path):
             vllm_log=out / "vllm.log",
             vllm_venv=venv,
         )
-        return prepare(params, smollm2, paths, progress=False), list(
+        return prepare_stage(params, smollm2, paths, progress=False), list(
             shards.iter_samples(paths.shards)
         )
 
