@@ -1,1 +1,2 @@
-"""Serving: the batched engine, confidence-scheduled verification (issue 6)."""
+"""Serving: the serving engine (continuous batching), confidence-scheduled verification
+(issue 6)."""
