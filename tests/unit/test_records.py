@@ -61,10 +61,12 @@ def test_each_recorded_stage_passes_its_own_deps_down_for_the_fingerprint(tmp_pa
 
     seen = {}
     monkeypatch.setattr(
-        dspark.evaluate.stage, "evaluate", lambda p, paths, **_: seen.update(evaluate=paths)
+        dspark.evaluate.stage, "evaluate_stage", lambda p, paths, **_: seen.update(evaluate=paths)
     )
     monkeypatch.setattr(
-        dspark.serve.bench, "benchmark", lambda p, paths, root, **_: seen.update(benchmark=paths)
+        dspark.serve.bench,
+        "benchmark_stage",
+        lambda p, paths, root, **_: seen.update(benchmark=paths),
     )
     ctx = StageContext(params=load_params(ROOT / "params.yaml"), root=tmp_path)
     for stage in ("evaluate", "benchmark"):
