@@ -88,11 +88,22 @@ def _cli_value(value: object) -> str:
 
 def dvc_sets(params_file: Path, point: dict[str, object]) -> list[str]:
     """`-S` arguments that set each key in the active profile's overlay, which wins over the
-    sections (a key the file lacks is added: Hydra's `+`)."""
-    from dspark.config import read_yaml
+    sections (a key the file lacks is added: Hydra's `+`). A point that sets train.drafts also
+    writes the lists that follow it (dspark.config.FOLLOWS_DRAFTS) as `--set` resolves them:
+    the stage reads params.yaml as written, where they would not follow."""
+    from dspark.config import FOLLOWS_DRAFTS, read_yaml
 
     tree = read_yaml(params_file)
     profile = tree.get("profile", "default")
+    if "train.drafts" in point:
+        resolved = load_params(params_file, overrides=overrides(point)).model_dump()
+        for path in FOLLOWS_DRAFTS:
+            key = ".".join(path)
+            if key not in point:
+                node = resolved
+                for part in path:
+                    node = node[part]
+                point = {**point, key: node}
     out = []
     for key, value in point.items():
         path = ["profiles", profile, *key.split(".")]

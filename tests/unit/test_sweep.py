@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from dspark.config import load_params
 from dspark.errors import ConfigError
 from flows.sweep import (
     _cli_value,
@@ -18,6 +19,7 @@ from flows.sweep import (
     parse_seeds,
     workspace_files,
 )
+from tests.conftest import ROOT
 
 
 def test_a_point_splits_on_spaces_outside_brackets():
@@ -49,6 +51,26 @@ def test_settings_go_into_the_active_profiles_overlay(tmp_path):
         "-S",
         '+profiles.full.t.s="null"',  # a string stays one
     ]
+
+
+def test_a_point_that_sets_the_drafts_writes_the_lists_that_follow_them():
+    """In a sweep the stage reads params.yaml as dvc wrote it, where the lists would not follow
+    train.drafts as `--set` makes them: the point writes them as resolved."""
+    sets = dvc_sets(ROOT / "params.yaml", {"train.drafts": ["dflash"]})
+    written = dict(s.split("=", 1) for s in sets[1::2])
+    profile = load_params(ROOT / "params.yaml").profile
+    resolved = load_params(ROOT / "params.yaml", overrides=["train.drafts=[dflash]"])
+    assert written[f"profiles.{profile}.train.drafts"] == '["dflash"]'
+    for key, value in (
+        ("evaluate.methods", resolved.evaluate.methods),
+        ("evaluate.lm_eval.methods", resolved.evaluate.lm_eval.methods),
+        ("benchmark.modes", resolved.benchmark.modes),
+    ):
+        full = next(k for k in written if k.lstrip("+") == f"profiles.{profile}.{key}")
+        assert json.loads(written[full]) == value and "dspark" not in written[full]
+    # A list the point sets itself is written as the point says.
+    sets = dvc_sets(ROOT / "params.yaml", {"train.drafts": ["dspark"], "benchmark.modes": ["none"]})
+    assert sets.count(f'profiles.{profile}.benchmark.modes=["none"]') == 1
 
 
 def test_the_table_merges_invocations_and_ranks_by_the_metric(tmp_path):
