@@ -129,6 +129,9 @@ METRICS_FOLDERS = {
     "headline": "the working profile's headline table (dspark.headline)",
 }
 STUDIES = "metrics/studies/"
+# metrics/full/ beside the stages' files: the run's lock (what `dvc repro` ran) and where it
+# stands (`dspark standing --out`), committed at each stop of a long run.
+FULL_EXTRAS = ("dvc.lock", "standing.json")
 # The scripts run by hand: draft-quality studies (evals/) and speed benchmarks (benchmarks/).
 SCRIPT_FOLDERS = ("evals", "benchmarks")
 # A metrics path as a script spells it: `metrics/x.json`, or ROOT / "metrics" / "x.json".
@@ -143,14 +146,23 @@ def stage_outputs() -> set[str]:
 
 
 def metrics_layout_problems(root: Path, pages: str, written: set[str]) -> list[str]:
-    """What breaks the layout: a top-level file no stage writes, an unknown folder, a study
-    output no page names by its path, a script of SCRIPT_FOLDERS whose output lands outside it."""
+    """What breaks the layout: a file no stage writes at the top or in full/, an unknown folder,
+    a study output no page names by its path, a script of SCRIPT_FOLDERS whose output lands
+    outside it."""
     problems = []
     for entry in sorted((root / "metrics").iterdir()):
         rel = entry.relative_to(root).as_posix()
         if entry.is_dir() and entry.name not in METRICS_FOLDERS:
             problems.append(f"{rel}/: not a folder of metrics/'s layout")
         elif entry.is_file() and rel not in written:
+            problems.append(f"{rel}: no stage writes it (a study's output goes in {STUDIES})")
+    for entry in sorted((root / "metrics/full").glob("*")):
+        rel = entry.relative_to(root).as_posix()
+        if (
+            entry.is_file()
+            and entry.name not in FULL_EXTRAS
+            and f"metrics/{entry.name}" not in written
+        ):
             problems.append(f"{rel}: no stage writes it (a study's output goes in {STUDIES})")
     for f in sorted((root / STUDIES).rglob("*")):
         if f.is_file() and (rel := f.relative_to(root).as_posix()) not in pages:
@@ -175,7 +187,7 @@ def test_metrics_holds_the_stages_files_and_named_studies():
 def test_the_layout_check_catches_a_stray_file(tmp_path):
     """A study's file at the top, an unnamed one in studies/, an unknown folder and a script
     writing beside the stages' files are each caught; what the layout allows is not."""
-    for rel in ("metrics/eval.json", "metrics/full/x.json", "metrics/studies/told.json"):
+    for rel in ("metrics/eval.json", "metrics/full/eval.json", "metrics/studies/told.json"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("{}")
     for folder in SCRIPT_FOLDERS:
@@ -187,6 +199,7 @@ def test_the_layout_check_catches_a_stray_file(tmp_path):
     assert metrics_layout_problems(tmp_path, pages, written) == []
 
     (tmp_path / "metrics/study.json").write_text("{}")
+    (tmp_path / "metrics/full/walk.json").write_text("{}")
     (tmp_path / "metrics/bench").mkdir()
     (tmp_path / "metrics/studies/untold.json").write_text("{}")
     bad = '"""Writes metrics/x.json."""\nOUT = ROOT / "metrics" / "y.json"\n'
@@ -196,6 +209,7 @@ def test_the_layout_check_catches_a_stray_file(tmp_path):
     assert [p.split(":")[0] for p in found] == [
         "metrics/bench/",
         "metrics/study.json",
+        "metrics/full/walk.json",
         "metrics/studies/untold.json",
         "benchmarks/bad.py",
         "evals/bad.py",
