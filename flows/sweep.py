@@ -46,6 +46,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect import flow, get_run_logger
 
@@ -56,6 +57,9 @@ from dspark.io import atomic_path, write_text
 from dspark.metrics import git_commit, write_metrics
 from tasks.stage import dvc
 from tasks.tracking import Tracker
+
+if TYPE_CHECKING:
+    from dspark.train.cost import PointCost
 
 ROOT = Path(__file__).resolve().parents[1]
 # The held-out figure that counts acceptance as the evaluation does (see the docstring).
@@ -148,7 +152,7 @@ def sweep(
     columns: tuple[str, ...] = (),
     equal_compute: int | None = None,
     seeds: tuple[int, ...] = (),
-    cost_batches: int = 4,
+    cost_batches: int = 9,
     resume: bool = False,
     single_item: bool = False,
 ) -> list[dict]:
@@ -226,19 +230,16 @@ def overrides(setting: dict[str, object]) -> list[str]:
 
 def _equal_compute(
     root: Path, settings: list[dict], baseline_steps: int, batches: int
-) -> tuple[list[dict], list[float]]:
+) -> tuple[list[dict], list[PointCost]]:
     """Each setting with the `train.max_steps` that buys it the first one's compute at
-    `baseline_steps`, and the measured seconds per step behind it."""
+    `baseline_steps`, and the measured step costs behind it."""
     from dspark.train.cost import equal_steps, measure_step_costs
 
     params_file = root / "params.yaml"
     points = [load_params(params_file, overrides=overrides(s)) for s in settings]
     costs = measure_step_costs(points, pipeline.train_paths(root), batches)
     steps = equal_steps(costs, baseline_steps)
-    return (
-        [{**s, "train.max_steps": n} for s, n in zip(settings, steps, strict=True)],
-        [c.step_s for c in costs],
-    )
+    return [{**s, "train.max_steps": n} for s, n in zip(settings, steps, strict=True)], costs
 
 
 def exp_run_args(stage: str, exp: str, sets: list[str], single_item: bool) -> list[str]:
@@ -274,12 +275,17 @@ def plan_points(
     plan = _read_plan(stem, asked) if resume else None
     if plan is None:
         step_s: list[float | None] = [None] * len(settings)
+        timed: list[dict | None] = [None] * len(settings)
         if equal_compute:
-            settings, step_s = _equal_compute(root, settings, equal_compute, cost_batches)
+            settings, costs = _equal_compute(root, settings, equal_compute, cost_batches)
+            step_s, timed = [c.step_s for c in costs], [c.timed for c in costs]
         if seeds:
             step_s = [c for c in step_s for _ in seeds]
+            timed = [t for t in timed for _ in seeds]
             settings = [{**s, "train.seed": seed} for s in settings for seed in seeds]
-        plan = {"asked": asked, "settings": _json(settings), "step_s": step_s}
+        # step_timed: every timed step behind step_s (its median), per draft, so the spread
+        # of the measure is on record beside the steps it decided
+        plan = {"asked": asked, "settings": _json(settings), "step_s": step_s, "step_timed": timed}
         write_text(_plan_path(stem), json.dumps(plan, indent=1) + "\n")
     return plan["settings"], plan["step_s"]
 
@@ -388,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the first point's steps; every other point gets the steps its measured step cost "
         "buys with the same compute (sets train.max_steps)",
     )
-    ap.add_argument("--cost-batches", type=int, default=4, help="batches the step cost is timed on")
+    ap.add_argument(
+        "--cost-batches", type=int, default=9, help="batches the step cost is timed on (median)"
+    )
     ap.add_argument("--seeds", default="", help="comma-separated train.seed values per point")
     ap.add_argument(
         "--single-item",

@@ -3,13 +3,17 @@ give every arm the same compute: an arm whose step costs twice the baseline's ge
 steps (flows/sweep.py `--equal-compute`).
 
 Every point's drafts are built as the train stage builds them and step in turn on the same
-batches of the extract stage's shards, the first batch a warm-up. Interleaving puts whatever
-else the machine is doing on every point alike, but the figures are still seconds: measure with
-nothing else running and say so beside them.
+batches of the extract stage's shards, the first batch a warm-up. A point's cost is the median
+of its timed steps: single steps stall for seconds now and then even on an idle machine (seen
+on the full profile's data: 4.2 s in a run of 0.9 s steps), and a mean over a few steps let one
+stall double a point's cost and halve its steps. The order the points step in rotates from batch
+to batch, so none is always the first to meet a batch's new shapes. The figures are still
+seconds: measure with nothing else running and say so beside them.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -23,7 +27,8 @@ from dspark.train.stage import TrainPaths, build_runs, starting_drafts
 
 @dataclass(frozen=True)
 class PointCost:
-    seconds: dict[str, float]  # per draft: mean seconds per optimizer step
+    seconds: dict[str, float]  # per draft: median seconds per optimizer step
+    timed: dict[str, list[float]] | None = None  # per draft: every timed step, in batch order
 
     @property
     def step_s(self) -> float:
@@ -61,16 +66,26 @@ def measure_step_costs(
         build_runs(p, target, start.draft_ids, aux, start.mask_id) for p in points[1:]
     ]
     head = TargetHead(target.norm, target.lm_head, start.draft_ids)
-    spent = [{r.name: 0.0 for r in rs} for rs in runs]
+    timed: list[dict[str, list[float]]] = [{r.name: [] for r in rs} for rs in runs]
     for i in range(batches):
         batch = collate(list(shards.read(train_ids[i * size : (i + 1) * size])), head)
-        for point_runs, seconds in zip(runs, spent, strict=True):
-            for run in point_runs:
+        for p in rotation(len(runs), i):
+            for run in runs[p]:
                 t0 = time.perf_counter()
                 run.step(batch, i, batches, base.train.seed, 0.0)
                 if i:
-                    seconds[run.name] += time.perf_counter() - t0
-    return [PointCost({k: v / (batches - 1) for k, v in s.items()}) for s in spent]
+                    timed[p][run.name].append(time.perf_counter() - t0)
+    return [point_cost(t) for t in timed]
+
+
+def rotation(points: int, batch: int) -> list[int]:
+    """The order the points step in on `batch`: each one first in turn."""
+    return [(batch + k) % points for k in range(points)]
+
+
+def point_cost(timed: dict[str, list[float]]) -> PointCost:
+    """A point's cost from its drafts' timed steps: the median, which a stalled step leaves be."""
+    return PointCost({k: statistics.median(v) for k, v in timed.items()}, timed)
 
 
 def equal_steps(costs: list[PointCost], baseline_steps: int) -> list[int]:

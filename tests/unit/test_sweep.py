@@ -8,6 +8,7 @@ import pytest
 
 from dspark.config import load_params
 from dspark.errors import ConfigError
+from dspark.train.cost import PointCost
 from flows.sweep import (
     _cli_value,
     _done_rows,
@@ -140,7 +141,8 @@ def test_a_continued_sweep_keeps_its_plan_and_the_points_it_ran(tmp_path, monkey
     def fake_costs(root, settings, steps, batches):
         timed.append(len(settings))
         return [{**s, "train.max_steps": steps * (i + 1)} for i, s in enumerate(settings)], [
-            1.0 / (i + 1) for i in range(len(settings))
+            PointCost({"dspark": 1.0 / (i + 1)}, {"dspark": [1.0 / (i + 1)]})
+            for i in range(len(settings))
         ]
 
     monkeypatch.setattr(sweep_flow, "_equal_compute", fake_costs)
@@ -150,6 +152,8 @@ def test_a_continued_sweep_keeps_its_plan_and_the_points_it_ran(tmp_path, monkey
     first, step_s = sweep_flow.plan_points(stem, tmp_path, "train", asked, 10, (0, 1), 4, False)
     assert [p["train.seed"] for p in first] == [0, 1, 0, 1] and step_s == [1.0, 1.0, 0.5, 0.5]
     assert [p["train.max_steps"] for p in first] == [10, 10, 20, 20] and timed == [2]
+    plan = json.loads((stem.parent / "slot0.plan.json").read_text())
+    assert plan["step_timed"][2] == {"dspark": [0.5]}  # the measure's every step, on record
 
     again, same_s = sweep_flow.plan_points(stem, tmp_path, "train", asked, 10, (0, 1), 4, True)
     assert (again, same_s, timed) == (first, step_s, [2])  # read back, not timed again
