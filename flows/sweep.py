@@ -22,7 +22,7 @@ A study compares arms at equal compute and over seeds:
 `--equal-compute N` first measures every point's optimizer step side by side on the same
 batches (dspark/train/cost.py; run it with nothing else on the machine), then gives the first
 point N steps and every other point the steps the same compute buys it (`train.max_steps`);
-the table keeps each point's step_s. `--seeds` runs every point once per `train.seed`.
+the table keeps each point's step_s. `--seeds` runs every point once per `train.seed`, seed by seed.
 
 A sweep that stops part way (a session ends) continues with the same command and `--resume`:
 the points its table already holds with the same settings are kept, the rest run, and equal
@@ -280,9 +280,10 @@ def plan_points(
             settings, costs = _equal_compute(root, settings, equal_compute, cost_batches)
             step_s, timed = [c.step_s for c in costs], [c.timed for c in costs]
         if seeds:
-            step_s = [c for c in step_s for _ in seeds]
-            timed = [t for t in timed for _ in seeds]
-            settings = [{**s, "train.seed": seed} for s in settings for seed in seeds]
+            # seed by seed, so a sweep stopped part way has run every point before any twice
+            step_s = [c for _ in seeds for c in step_s]
+            timed = [t for _ in seeds for t in timed]
+            settings = [{**s, "train.seed": seed} for seed in seeds for s in settings]
         # step_timed: every timed step behind step_s (its median), per draft, so the spread
         # of the measure is on record beside the steps it decided
         plan = {"asked": asked, "settings": _json(settings), "step_s": step_s, "step_timed": timed}

@@ -150,10 +150,10 @@ def test_a_continued_sweep_keeps_its_plan_and_the_points_it_ran(tmp_path, monkey
     stem.parent.mkdir()
     asked = [{"train.dspark.feature_input": "none"}, {"train.dspark.feature_input": "first"}]
     first, step_s = sweep_flow.plan_points(stem, tmp_path, "train", asked, 10, (0, 1), 4, False)
-    assert [p["train.seed"] for p in first] == [0, 1, 0, 1] and step_s == [1.0, 1.0, 0.5, 0.5]
-    assert [p["train.max_steps"] for p in first] == [10, 10, 20, 20] and timed == [2]
+    assert [p["train.seed"] for p in first] == [0, 0, 1, 1] and step_s == [1.0, 0.5, 1.0, 0.5]
+    assert [p["train.max_steps"] for p in first] == [10, 20, 10, 20] and timed == [2]
     plan = json.loads((stem.parent / "slot0.plan.json").read_text())
-    assert plan["step_timed"][2] == {"dspark": [0.5]}  # the measure's every step, on record
+    assert plan["step_timed"][3] == {"dspark": [0.5]}  # the measure's every step, on record
 
     again, same_s = sweep_flow.plan_points(stem, tmp_path, "train", asked, 10, (0, 1), 4, True)
     assert (again, same_s, timed) == (first, step_s, [2])  # read back, not timed again
@@ -162,7 +162,7 @@ def test_a_continued_sweep_keeps_its_plan_and_the_points_it_ran(tmp_path, monkey
     ran.append({"exp": "slot0-1", **{k: _cli_value(v) for k, v in first[0].items()}, "tau": 1})
     _write_table(stem, ran, "tau", "full")
     done = _done_rows(stem, "slot0", first, 0)
-    assert set(done) == {"slot0-0"}  # slot0-1's row has point 0's seed: not point 1's run
+    assert set(done) == {"slot0-0"}  # slot0-1's row holds run 0's settings: not run 1's
 
     with pytest.raises(ConfigError, match="made for other points"):
         sweep_flow.plan_points(stem, tmp_path, "train", asked[:1], 10, (0, 1), 4, True)
