@@ -5,13 +5,13 @@ from __future__ import annotations
 from prefect import flow
 
 from dspark.pipeline import STAGES
-from tasks.stage import run_stage
+from tasks.repro import repro_stage
 
 
 def _stage_flow(name: str):
     @flow(name=name, log_prints=True)
     def stage_flow(profile: str, parent_run_id: str, root: str) -> dict:
-        return run_stage(name, profile, parent_run_id, root)
+        return repro_stage(name, profile, parent_run_id, root)
 
     stage_flow.__doc__ = f"Stage `{name}`: run through DVC, recorded in MLflow."
     return stage_flow

@@ -55,7 +55,7 @@ from dspark.config import load_params, parse_override
 from dspark.errors import ConfigError
 from dspark.io import atomic_path, write_text
 from dspark.metrics import git_commit, write_metrics
-from tasks.stage import dvc
+from tasks.repro import dvc
 from tasks.tracking import Tracker
 
 if TYPE_CHECKING:

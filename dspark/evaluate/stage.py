@@ -412,7 +412,7 @@ class Evaluation:
                     if label == "dspark":
                         calibration.add(trace)
                 bars[label].update(len(batch))
-            # "<method>/..." keys land in the method's child run (tasks/stage.py).
+            # "<method>/..." keys land in the method's child run (tasks/repro.py).
             touched = {p.category for p in batch}
             taus = {f"{m}/tau_{c}": per[m][c].tau for c in touched for m in self.proposers}
             self.log.log(step, **{k: v for k, v in taus.items() if v is not None})

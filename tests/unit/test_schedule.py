@@ -6,7 +6,7 @@ import pytest
 
 from dspark.config import OptimConfig
 from dspark.train.trainer import cut, lr_at
-from tasks.stage import split_by_child
+from tasks.repro import split_by_child
 
 
 def test_warmup_then_cosine_to_zero():

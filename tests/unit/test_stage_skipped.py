@@ -1,7 +1,7 @@
 """How the flow's stage task reads `dvc repro --single-item`'s output to know a stage was
 skipped, without a `dvc status` first (DVC 3's lines)."""
 
-from tasks.stage import skipped
+from tasks.repro import skipped
 
 
 def test_unchanged_and_run_cache_are_told_apart():
