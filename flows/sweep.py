@@ -190,17 +190,8 @@ def sweep(
             if exp in done:
                 logger.info("%s: done earlier (%s = %s), kept", exp, metric, done[exp].get(metric))
                 continue
-            sets = dvc_sets(params_file, point)
-            logger.info("%s: %s", exp, " ".join(sets[1::2]))
-            dvc(["exp", "remove", exp], root_path)  # a rerun of the sweep replaces its points
             t0 = time.perf_counter()
-            try:
-                rc, out = dvc(exp_run_args(stage, exp, sets, single_item), root_path)
-            finally:
-                write_text(params_file, kept[params_file].decode())  # the same start each time
-            if rc != 0:
-                raise RuntimeError(f"{exp}: dvc exp run failed ({rc}): {out.strip()[-2000:]}")
-            doc = json.loads((root_path / spec.metrics).read_text())
+            doc = _exp_run(exp, point, spec, root_path, kept[params_file], single_item, logger)
             child = tracker.start(exp, parent=parent, tags={"sweep": name, "dvc.exp": exp})
             tracker.params(child, point)
             tracker.metrics(child, doc)
@@ -208,8 +199,7 @@ def sweep(
             row = {"exp": exp, **{k: _cli_value(v) for k, v in point.items()}}
             if step_s[i - first] is not None:
                 row["step_s"] = round(step_s[i - first], 4)
-            for key in (metric, *columns):
-                row[key] = _dig(doc, key)
+            row |= {key: _dig(doc, key) for key in (metric, *columns)}
             row["wall_s"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
             logger.info("%s: %s = %s", exp, metric, row[metric])
@@ -222,6 +212,30 @@ def sweep(
                 tmp.write_bytes(data)
         dvc(["checkout"], root_path)  # every stage's: a point may rerun those upstream
     return _write_table(stem, rows, metric, params.profile)
+
+
+def _exp_run(
+    exp: str,
+    point: dict,
+    spec: pipeline.Stage,
+    root: Path,
+    params_text: bytes,
+    single_item: bool,
+    logger,
+) -> dict:
+    """One point as the DVC experiment `exp` (replacing one of that name), and the metrics it
+    wrote; params.yaml is put back as it was (`params_text`) so every point starts alike."""
+    params_file = root / "params.yaml"
+    sets = dvc_sets(params_file, point)
+    logger.info("%s: %s", exp, " ".join(sets[1::2]))
+    dvc(["exp", "remove", exp], root)  # a rerun of the sweep replaces its points
+    try:
+        rc, out = dvc(exp_run_args(spec.name, exp, sets, single_item), root)
+    finally:
+        write_text(params_file, params_text.decode())
+    if rc != 0:
+        raise RuntimeError(f"{exp}: dvc exp run failed ({rc}): {out.strip()[-2000:]}")
+    return json.loads((root / spec.metrics).read_text())
 
 
 def overrides(setting: dict[str, object]) -> list[str]:

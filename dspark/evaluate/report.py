@@ -106,6 +106,24 @@ def report_markdown(result: dict) -> str:
         "greedy, replayed on the target's greedy path (dspark.decode.replay), "
         "[95% bootstrap interval over the prompts].",
         "",
+        *_tau_table(result, methods),
+        *_pairs_table(result),
+        "",
+        *_speed_table(result, methods),
+        "",
+        *_beside_seed(result),
+        "",
+        SETUP_NOTE,
+        "",
+        *_checks(result),
+        *_findings(result),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _tau_table(result: dict, methods: list[str]) -> list[str]:
+    """tau per category and method, and the mean of the nine."""
+    lines = [
         "| category | prompts | tokens | " + " | ".join(methods) + " |",
         "|---|---|---|" + "---|" * len(methods),
     ]
@@ -116,14 +134,22 @@ def report_markdown(result: dict) -> str:
     ci = result.get("mean_ci95", {})
     means = " | ".join(f"**{_tau_cell(result['mean'][m], ci.get(m))}**" for m in methods)
     lines.append(f"| mean of the nine | | | {means} |")
-    if result.get("pairs"):
-        lines += ["", "| mean tau over mean tau, same prompts | ratio | 95% interval |"]
-        lines.append("|---|---|---|")
-        for name, p in result["pairs"].items():
-            lo, hi = p["ci95"] or ("n/a", "n/a")
-            lines.append(f"| {name} | {p['ratio']} | [{lo}, {hi}] |")
-    lines += [
-        "",
+    return lines
+
+
+def _pairs_table(result: dict) -> list[str]:
+    """The paired ratios of mean tau, on the same prompts."""
+    if not result.get("pairs"):
+        return []
+    lines = ["", "| mean tau over mean tau, same prompts | ratio | 95% interval |", "|---|---|---|"]
+    for name, p in result["pairs"].items():
+        lo, hi = p["ci95"] or ("n/a", "n/a")
+        lines.append(f"| {name} | {p['ratio']} | [{lo}, {hi}] |")
+    return lines
+
+
+def _speed_table(result: dict, methods: list[str]) -> list[str]:
+    lines = [
         "| method | tok/s (live decodes) | speedup vs none | draft share | distinct-2 |",
         "|---|---|---|---|---|",
     ]
@@ -133,7 +159,12 @@ def report_markdown(result: dict) -> str:
             f"| {m} | {o['tok_s']} | {o.get('speedup', 'n/a')} | {o['draft_share']} "
             f"| {o['distinct_2']} |"
         )
-    lines += ["", "## Beside the seed", "", "| figure | seed | ours (dspark) |", "|---|---|---|"]
+    return lines
+
+
+def _beside_seed(result: dict) -> list[str]:
+    """DSpark's figures beside the paper's (SEED)."""
+    lines = ["## Beside the seed", "", "| figure | seed | ours (dspark) |", "|---|---|---|"]
     ours = {
         "mean": result["mean"].get("dspark"),
         **{
@@ -145,13 +176,18 @@ def report_markdown(result: dict) -> str:
     for key, seed in SEED.items():
         val = ours.get(key)
         lines.append(f"| {key} | {seed} | {val if val is not None else 'n/a'} |")
-    lines += ["", SETUP_NOTE, ""]
+    return lines
+
+
+def _checks(result: dict) -> list[str]:
+    """What holds the figures up: losslessness, replay against live decoding, sampling, lm-eval
+    and DSpark's confidence calibration."""
     lossless = result["lossless"]
-    lines.append(
+    lines = [
         f"Lossless: {result['lossless_mismatches']} mismatches, {result['lossless_ties']} ties "
         f"over {lossless.get('positions', 0)} recorded positions and "
         f"{lossless.get('checked', 0)} live greedy outputs checked against transformers."
-    )
+    ]
     check = result.get("replay_check")
     if check and check["decodes"]:
         lines.append(
@@ -173,6 +209,13 @@ def report_markdown(result: dict) -> str:
     cal = result["calibration"]
     if cal:
         lines.append(f"DSpark confidence: ECE {cal['ece']} over {cal['n']} reached slots.")
+    return lines
+
+
+def _findings(result: dict) -> list[str]:
+    """The n-gram window, the goals, the Markov ablation, where DSpark trails, the stage's
+    time, and what was not evaluated."""
+    lines = []
     if result.get("ngram_window"):
         lines.append(
             f"n-gram window (min, max) chosen by the sweep: {tuple(result['ngram_window'])}; "
@@ -213,7 +256,7 @@ def report_markdown(result: dict) -> str:
     missing = [c for c in CATEGORIES if c not in result["categories"]]
     if missing:
         lines.append(f"Not evaluated: {', '.join(missing)}.")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def write_report(result: dict, path: Path) -> None:

@@ -63,8 +63,42 @@ def plan_gpu(spec: ClusterSpec, params: Params) -> dict:
     spec cannot be placed at all (too few GPUs); a memory shortfall is a failed check."""
     if spec.target is None:
         raise ResourceError(f"spec {spec.name}: target: a GPU plan needs the target's figures")
-    t, inf, tr = spec.target, spec.inference, spec.training
+    t, x = spec.target, params.extract
+    tokens = spec.inference.max_sample_tokens or (
+        params.prepare.max_prompt_tokens + params.prepare.max_new_tokens
+    )
+    inference, inference_check = _place_inference(spec, tokens)
+    one = sample_bytes(tokens, len(t.aux_layers), t.hidden_size, x.wire_dtype)
     nodes = spec.inference_nodes
+    segment = x.max_in_flight * one / len(nodes)
+    host = min(n.host_memory_gb for n in nodes) * GB
+    training, training_check = _place_training(spec, one)
+    return {
+        "spec": spec.name,
+        "kind": spec.kind,
+        "target": t.model_dump(),
+        "longest_sample_tokens": tokens,
+        "inference": inference,
+        "stream": {
+            "protocol": spec.network.protocol,
+            "rdma_devices": spec.network.rdma_devices,
+            "sample_bytes": one,
+            "max_in_flight": x.max_in_flight,
+            "segment_bytes_per_inference_node": round(segment),
+        },
+        "training": training,
+        "checks": [
+            inference_check,
+            _check("inference.host_memory (Mooncake segment)", segment, host),
+            training_check,
+        ],
+    }
+
+
+def _place_inference(spec: ClusterSpec, tokens: int) -> tuple[dict, dict]:
+    """The inference instances: tensor parallel inside a node, and the fewest pipeline stages
+    whose per-GPU weights and KV cache of one longest sample fit; with their memory check."""
+    t, inf, nodes = spec.target, spec.inference, spec.inference_nodes
     per_node = min(n.gpus for n in nodes)
     tp = inf.tensor_parallel or per_node
     if tp > per_node:
@@ -73,9 +107,6 @@ def plan_gpu(spec: ClusterSpec, params: Params) -> dict:
             "an inference node (tensor parallelism stays inside a node)"
         )
     usable = min(n.gpu_memory_gb for n in nodes) * GB * inf.gpu_memory_utilization
-    tokens = inf.max_sample_tokens or (
-        params.prepare.max_prompt_tokens + params.prepare.max_new_tokens
-    )
     kv_instance = t.kv_bytes_per_token * tokens + t.state_bytes_per_request
 
     def per_gpu(pp: int) -> dict:
@@ -112,13 +143,21 @@ def plan_gpu(spec: ClusterSpec, params: Params) -> dict:
         }
         for r in range(replicas)
     ]
+    plan = {
+        "instances": instances,
+        "replicas": replicas,
+        "per_gpu": _round(per_gpu(chosen)),
+        "usable_per_gpu_bytes": round(usable),
+        "tried": tried,
+        "why": _why(tried, usable, pp),
+    }
+    return plan, _check("inference.gpu_memory", per_gpu(chosen)["total_bytes"], usable)
 
-    x = params.extract
-    one = sample_bytes(tokens, len(t.aux_layers), t.hidden_size, x.wire_dtype)
-    segment = x.max_in_flight * one / len(nodes)
-    host = min(n.host_memory_gb for n in nodes) * GB
 
-    trainers = spec.training_nodes
+def _place_training(spec: ClusterSpec, sample: int) -> tuple[dict, dict]:
+    """The trainer ranks and what one GPU holds (the draft's state, a sample of `sample`
+    bytes, the frozen LM head); with their memory check."""
+    t, tr, trainers = spec.target, spec.training, spec.training_nodes
     train_gpus = sum(n.gpus for n in trainers)
     if tr.world_size > train_gpus:
         raise ResourceError(
@@ -127,49 +166,23 @@ def plan_gpu(spec: ClusterSpec, params: Params) -> dict:
         )
     draft = (tr.draft_params or 0) * tr.bytes_per_param  # DDP: a full replica on every rank
     lm_head = t.vocab_size * t.hidden_size * 2  # frozen bf16 copy: rebuilds target distributions
-    train_need = draft + one + lm_head
-    train_usable = min(n.gpu_memory_gb for n in trainers) * GB * inf.gpu_memory_utilization
-
-    checks = [
-        _check("inference.gpu_memory", per_gpu(chosen)["total_bytes"], usable),
-        _check("inference.host_memory (Mooncake segment)", segment, host),
-        _check("training.gpu_memory", train_need, train_usable),
-    ]
+    need = draft + sample + lm_head
+    usable = min(n.gpu_memory_gb for n in trainers) * GB * spec.inference.gpu_memory_utilization
+    check = _check("training.gpu_memory", need, usable)
     if tr.draft_params is None:
-        checks[-1]["note"] = "training.draft_params unset: the draft's own memory is not counted"
-    return {
-        "spec": spec.name,
-        "kind": spec.kind,
-        "target": t.model_dump(),
-        "longest_sample_tokens": tokens,
-        "inference": {
-            "instances": instances,
-            "replicas": replicas,
-            "per_gpu": _round(per_gpu(chosen)),
-            "usable_per_gpu_bytes": round(usable),
-            "tried": tried,
-            "why": _why(tried, usable, pp),
+        check["note"] = "training.draft_params unset: the draft's own memory is not counted"
+    plan = {
+        "nodes": [n.name for n in trainers],
+        "world_size": tr.world_size,
+        "backend": "nccl",
+        "per_gpu": {
+            "draft_state_bytes": round(draft),
+            "sample_bytes": sample,
+            "lm_head_bytes": lm_head,
+            "total_bytes": round(need),
         },
-        "stream": {
-            "protocol": spec.network.protocol,
-            "rdma_devices": spec.network.rdma_devices,
-            "sample_bytes": one,
-            "max_in_flight": x.max_in_flight,
-            "segment_bytes_per_inference_node": round(segment),
-        },
-        "training": {
-            "nodes": [n.name for n in trainers],
-            "world_size": tr.world_size,
-            "backend": "nccl",
-            "per_gpu": {
-                "draft_state_bytes": round(draft),
-                "sample_bytes": one,
-                "lm_head_bytes": lm_head,
-                "total_bytes": round(train_need),
-            },
-        },
-        "checks": checks,
     }
+    return plan, check
 
 
 def plan_cpu(spec: ClusterSpec, params: Params) -> dict:
