@@ -30,6 +30,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -37,7 +38,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from dspark.serve.engine import ServeEngine
+from dspark.decode.sampling import Sampling
+from dspark.serve.engine import Request, ServeEngine
 
 
 class CompletionRequest(BaseModel):
@@ -111,19 +113,9 @@ def create_app(
 ) -> FastAPI:
     """`verify_cost`: the table a cost-model mode profiled at start, shown in the stats."""
     app = FastAPI(title="dspark", docs_url=None, redoc_url=None)
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(HTTPException, _http_error)
     vocab = len(tokenizer)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request, exc: RequestValidationError):
-        e = exc.errors()[0]
-        if e["type"] == "json_invalid":
-            return _error(400, f"body: not valid JSON ({e.get('ctx', {}).get('error', '')})")
-        where = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
-        return _error(400, f"{where}: {e['msg']}", where)
-
-    @app.exception_handler(HTTPException)
-    async def _http(_request, exc: HTTPException):
-        return _error(exc.status_code, str(exc.detail))
 
     @app.get("/health")
     async def health():
@@ -147,27 +139,9 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        if body.model is not None and body.model != model_name:
-            return _error(404, f"model: this server serves {model_name!r}, not {body.model!r}")
-        if (bad := body.unsupported()) is not None:
-            return _error(400, f"{bad[0]}: not supported: {bad[1]}", bad[0])
-        want = engine.sampling
-        if body.temperature is not None and body.temperature != want.temperature:
-            return _error(
-                400,
-                f"temperature: this server samples at {want.temperature} (per-request "
-                "sampling is not supported; omit the field)",
-                "temperature",
-            )
-        if body.top_p is not None and body.top_p != want.top_p:
-            return _error(400, f"top_p: this server uses {want.top_p}; omit the field", "top_p")
-        if isinstance(body.prompt, str):
-            ids = tokenizer(body.prompt, add_special_tokens=False)["input_ids"]
-        else:
-            ids = body.prompt
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                return _error(400, f"prompt: token id {bad} is outside [0, {vocab})", "prompt")
+        if (refused := _refusal(body, engine.sampling, model_name, vocab)) is not None:
+            return refused
+        ids = _prompt_ids(body.prompt, tokenizer)
         stream = _Stream(asyncio.get_running_loop())
         try:
             req = engine.submit(ids, body.max_tokens, stream)
@@ -175,73 +149,150 @@ def create_app(
             return _error(400, str(e), "prompt")
         except RuntimeError as e:
             return _error(503, str(e))
-        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-
-        def chunk(text: str, tokens: list[int], finish: str | None) -> dict:
-            choice = {
-                "index": 0,
-                "text": text,
-                "token_ids": tokens,
-                "logprobs": None,
-                "finish_reason": _openai_finish(finish),
-            }
-            doc = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": model_name,
-                "choices": [choice],
-            }
-            if finish is not None:
-                doc["usage"] = {
-                    "prompt_tokens": len(ids),
-                    "completion_tokens": len(req.tokens),
-                    "total_tokens": len(ids) + len(req.tokens),
-                }
-                doc["dspark"] = {
-                    "mode": mode,
-                    "steps": req.steps,
-                    "proposed": req.proposed,
-                    "accepted": req.accepted,
-                    "finish": finish,
-                    "ignored": body.ignored,
-                }
-            return doc
-
+        completion = _Completion(model_name, mode, body, len(ids), req)
         detok = Detokenizer(tokenizer)
         if not body.stream:
-            try:
-                while True:
-                    _tokens, finish = await stream.queue.get()
-                    if finish is not None:
-                        break
-            finally:  # cancelled while waiting (server shutdown): free the row
-                if not req.done:
-                    engine.cancel(req)
-            if finish in ("error", "cancelled"):
-                return _error(500, f"generation ended: {finish}")
-            return chunk(detok.add(req.tokens, final=True), list(req.tokens), finish)
-
-        async def events():
-            try:
-                while True:
-                    tokens, finish = await stream.queue.get()
-                    if finish in ("error", "cancelled"):
-                        err = {"message": f"generation ended: {finish}", "type": "server_error"}
-                        yield f"data: {json.dumps({'error': err})}\n\n"
-                        break
-                    text = detok.add(tokens, final=finish is not None)
-                    yield f"data: {json.dumps(chunk(text, tokens, finish))}\n\n"
-                    if finish is not None:
-                        break
-                yield "data: [DONE]\n\n"
-            finally:  # the client went away (or we are done): free the row
-                if not req.done:
-                    engine.cancel(req)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+            return await _whole_completion(engine, stream, completion, detok)
+        events = _completion_events(engine, stream, completion, detok)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     return app
+
+
+async def _invalid_request(_request, exc: RequestValidationError) -> JSONResponse:
+    """A malformed request's 400, naming the first field at fault, in OpenAI's error shape."""
+    e = exc.errors()[0]
+    if e["type"] == "json_invalid":
+        return _error(400, f"body: not valid JSON ({e.get('ctx', {}).get('error', '')})")
+    where = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
+    return _error(400, f"{where}: {e['msg']}", where)
+
+
+async def _http_error(_request, exc: HTTPException) -> JSONResponse:
+    return _error(exc.status_code, str(exc.detail))
+
+
+def _refusal(
+    body: CompletionRequest, want: Sampling, model_name: str, vocab: int
+) -> JSONResponse | None:
+    """The error answer to a request this server would not answer as asked, or None."""
+    if body.model is not None and body.model != model_name:
+        return _error(404, f"model: this server serves {model_name!r}, not {body.model!r}")
+    if (bad := body.unsupported()) is not None:
+        return _error(400, f"{bad[0]}: not supported: {bad[1]}", bad[0])
+    if body.temperature is not None and body.temperature != want.temperature:
+        return _error(
+            400,
+            f"temperature: this server samples at {want.temperature} (per-request "
+            "sampling is not supported; omit the field)",
+            "temperature",
+        )
+    if body.top_p is not None and body.top_p != want.top_p:
+        return _error(400, f"top_p: this server uses {want.top_p}; omit the field", "top_p")
+    if not isinstance(body.prompt, str):
+        bad = next((t for t in body.prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            return _error(400, f"prompt: token id {bad} is outside [0, {vocab})", "prompt")
+    return None
+
+
+def _prompt_ids(prompt: str | list[int], tokenizer) -> list[int]:
+    """Token ids as the client sent them, or its text tokenized without special tokens."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    return prompt
+
+
+@dataclass
+class _Completion:
+    """One request's response documents: every chunk of it carries the same id and time."""
+
+    model_name: str
+    mode: str
+    body: CompletionRequest
+    prompt_tokens: int
+    req: Request
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def chunk(self, text: str, tokens: list[int], finish: str | None) -> dict:
+        """A response, or a streamed chunk of one; the last (`finish` set) adds the totals."""
+        choice = {
+            "index": 0,
+            "text": text,
+            "token_ids": tokens,
+            "logprobs": None,
+            "finish_reason": _openai_finish(finish),
+        }
+        doc = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model_name,
+            "choices": [choice],
+        }
+        if finish is not None:
+            doc["usage"] = self.usage()
+            doc["dspark"] = self.dspark_totals(finish)
+        return doc
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.req.tokens),
+            "total_tokens": self.prompt_tokens + len(self.req.tokens),
+        }
+
+    def dspark_totals(self, finish: str) -> dict:
+        req = self.req
+        return {
+            "mode": self.mode,
+            "steps": req.steps,
+            "proposed": req.proposed,
+            "accepted": req.accepted,
+            "finish": finish,
+            "ignored": self.body.ignored,
+        }
+
+
+async def _whole_completion(
+    engine: ServeEngine, stream: _Stream, completion: _Completion, detok: Detokenizer
+) -> dict | JSONResponse:
+    """The response once generation ends, or a 500 if it ended in an error."""
+    req = completion.req
+    try:
+        while True:
+            _tokens, finish = await stream.queue.get()
+            if finish is not None:
+                break
+    finally:  # cancelled while waiting (server shutdown): free the row
+        if not req.done:
+            engine.cancel(req)
+    if finish in ("error", "cancelled"):
+        return _error(500, f"generation ended: {finish}")
+    return completion.chunk(detok.add(req.tokens, final=True), list(req.tokens), finish)
+
+
+async def _completion_events(
+    engine: ServeEngine, stream: _Stream, completion: _Completion, detok: Detokenizer
+):
+    """Server-sent events: a chunk per engine callback, then `data: [DONE]`."""
+    req = completion.req
+    try:
+        while True:
+            tokens, finish = await stream.queue.get()
+            if finish in ("error", "cancelled"):
+                err = {"message": f"generation ended: {finish}", "type": "server_error"}
+                yield f"data: {json.dumps({'error': err})}\n\n"
+                break
+            text = detok.add(tokens, final=finish is not None)
+            yield f"data: {json.dumps(completion.chunk(text, tokens, finish))}\n\n"
+            if finish is not None:
+                break
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (or we are done): free the row
+        if not req.done:
+            engine.cancel(req)
 
 
 def _openai_finish(finish: str | None) -> str | None:

@@ -77,39 +77,23 @@ def measure(
     verify_costs = [] if verify_costs is None else verify_costs
     cfg = params.benchmark
     plan = cell_plan(params)
-    rounds = range(cfg.rounds)
-
-    def key(turn: int, concurrency: int, workload: str) -> str:
-        cell = f"c={concurrency} {workload}"
-        return f"round {turn + 1} {cell}" if cfg.rounds > 1 else cell
-
-    done = {
-        key(i, *p): r for i in rounds for p in plan if records and (r := records.get(key(i, *p)))
-    }
-    for r in done.values():
+    measured = _Measured(plan, cfg.rounds, records)
+    for r in measured.recorded.values():
         if r["verify_cost"] not in verify_costs:
             verify_costs.append(r["verify_cost"])
-    measured: dict[str, list[dict]] = {k: r["cells"] for k, r in done.items()}
-
-    def merged() -> list[dict]:
-        return [x for p in plan for x in merge_rounds([measured[key(i, *p)] for i in rounds])]
-
-    todo = [(i, p) for i in rounds for p in plan if key(i, *p) not in done]
+    todo = [(i, p) for i in range(cfg.rounds) for p in measured.left(i)]
     if not todo:
         log(f"all {len(plan)} cells recorded by an earlier run: nothing to measure")
-        return merged()
+        return measured.merged()
     total = sum(len(cfg.modes) + bool(single and p == (1, cfg.workload)) for _, p in todo)
     runs = bar(total=total, desc="benchmark", unit="runs", enabled=progress)
     with tempfile.TemporaryDirectory() as tmp, contextlib.closing(runs):
         tmp = Path(tmp)
         resolved = tmp / "params.json"
         write_json(resolved, params.model_dump(mode="json"))
-        for i in rounds:
-            tag = f"round {i + 1}/{cfg.rounds}: " if cfg.rounds > 1 else ""
-            mine = [p for p in plan if key(i, *p) not in done]
-            for c, workload in plan:
-                if (c, workload) not in mine:
-                    log(f"{tag}c={c:<3d} {workload:15s} recorded by an earlier run")
+        for i in range(cfg.rounds):
+            mine = measured.left(i)
+            _log_recorded(plan, mine, _round_tag(i, cfg.rounds), log)
             if not mine:
                 continue
             # One log per mode and round: logs/<mode>.log, or <mode>.round<i>.log with rounds.
@@ -119,24 +103,82 @@ def measure(
                 tables = {ep.mode: t for ep in endpoints if (t := ep.stats().get("verify_cost"))}
                 verify_costs.append(tables)
                 warm_up(endpoints, requests, cfg, tmp, log)
-                for concurrency, workload in mine:
-                    group = []
-                    if single and (concurrency, workload) == (1, cfg.workload):
-                        group.append(single())
-                        runs.update(1)
-                        log(f"{tag}{'none_hf':16s} c=1   {workload:15s} {group[-1]['tok_s']} tok/s")
-                    for ep in rotated(endpoints, i):
-                        x = run_cell(ep, concurrency, workload, params, requests, tmp)
-                        group.append(x)
-                        runs.update(1)
-                        log(
-                            f"{tag}{ep.mode:16s} c={concurrency:<3d} {workload:15s} "
-                            f"{x['tok_s']} tok/s, TTFT p50 {x['ttft_p50_ms']} ms, tau {x['tau']}"
-                        )
-                    measured[key(i, concurrency, workload)] = group
-                    if records:
-                        records.put(key(i, concurrency, workload), cells=group, verify_cost=tables)
-    return merged()
+                for cell in mine:
+                    group = _measure_cell(
+                        endpoints, i, cell, params, requests, tmp, single=single, runs=runs, log=log
+                    )
+                    measured.put(i, cell, group, tables)
+    return measured.merged()
+
+
+class _Measured:
+    """Each cell's group (its modes' results) per round, by key: the rounds an earlier run
+    recorded, replayed from `records`, and those measured now, each recorded as it is done."""
+
+    def __init__(self, plan: list[tuple[int, str]], rounds: int, records: Records | None):
+        self.plan, self.rounds, self.records = plan, rounds, records
+        self.recorded = {
+            self.key(i, *p): r
+            for i in range(rounds)
+            for p in plan
+            if records and (r := records.get(self.key(i, *p)))
+        }
+        self.groups: dict[str, list[dict]] = {k: r["cells"] for k, r in self.recorded.items()}
+
+    def key(self, turn: int, concurrency: int, workload: str) -> str:
+        cell = f"c={concurrency} {workload}"
+        return f"round {turn + 1} {cell}" if self.rounds > 1 else cell
+
+    def left(self, turn: int) -> list[tuple[int, str]]:
+        """The round's cells no earlier run recorded, in the plan's order."""
+        return [p for p in self.plan if self.key(turn, *p) not in self.recorded]
+
+    def put(self, turn: int, cell: tuple[int, str], group: list[dict], tables: dict) -> None:
+        self.groups[self.key(turn, *cell)] = group
+        if self.records:
+            self.records.put(self.key(turn, *cell), cells=group, verify_cost=tables)
+
+    def merged(self) -> list[dict]:
+        """Every cell's rounds merged, cell by cell in the plan's order."""
+        per_cell = ([self.groups[self.key(i, *p)] for i in range(self.rounds)] for p in self.plan)
+        return [x for groups in per_cell for x in merge_rounds(groups)]
+
+
+def _round_tag(turn: int, rounds: int) -> str:
+    """The log lines' prefix naming the round, when there are several."""
+    return f"round {turn + 1}/{rounds}: " if rounds > 1 else ""
+
+
+def _log_recorded(plan, mine, tag: str, log) -> None:
+    """Names the round's cells an earlier run recorded: this one will not measure them."""
+    for c, workload in plan:
+        if (c, workload) not in mine:
+            log(f"{tag}c={c:<3d} {workload:15s} recorded by an earlier run")
+
+
+def _measure_cell(
+    endpoints, turn: int, cell, params: Params, requests, tmp: Path, *, single, runs, log
+) -> list[dict]:
+    """One cell in every mode of the round, in its rotated order, after `single` (transformers'
+    generate, as `none_hf`) where the cell is the single-stream one. Each run advances `runs`
+    and logs its result."""
+    cfg = params.benchmark
+    concurrency, workload = cell
+    tag = _round_tag(turn, cfg.rounds)
+    group = []
+    if single and (concurrency, workload) == (1, cfg.workload):
+        group.append(single())
+        runs.update(1)
+        log(f"{tag}{'none_hf':16s} c=1   {workload:15s} {group[-1]['tok_s']} tok/s")
+    for ep in rotated(endpoints, turn):
+        x = run_cell(ep, concurrency, workload, params, requests, tmp)
+        group.append(x)
+        runs.update(1)
+        log(
+            f"{tag}{ep.mode:16s} c={concurrency:<3d} {workload:15s} "
+            f"{x['tok_s']} tok/s, TTFT p50 {x['ttft_p50_ms']} ms, tau {x['tau']}"
+        )
+    return group
 
 
 @contextlib.contextmanager
