@@ -16,9 +16,10 @@ import hashlib
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -199,34 +200,11 @@ def prepare_stage(
     ensure_writable_dir(paths.shards)
     eval_prompts = build_eval_set(params, target, eval_file)
     write_prompt_file(paths.eval_prompts, eval_prompts)
-    banned = dict.fromkeys((p.content_hash for p in eval_prompts), "skipped_eval_overlap")
-
     keys = ("skipped_eval_overlap", "skipped_validation", "skipped_duplicate", "skipped_too_long")
-    stats = dict.fromkeys(keys, 0)
-    held_out = _validation_split(params, target, banned, stats)
-    banned.update(dict.fromkeys((c.prompt.content_hash for c in held_out), "skipped_validation"))
-    data = params.data
-    to_train = _mixed_candidates(
-        params, target, data.train_sources, data.train_weights, "data.train_sources", banned, stats
-    )
-    candidates = chain(held_out, to_train)
-    if cfg.num_samples and cfg.token_budget is None:
-        # Count before generating: a shortfall found after hours of answers would waste them.
-        wanted = list(islice(candidates, cfg.num_samples))
-        if len(wanted) < cfg.num_samples:
-            raise DataError(
-                f"prepare.num_samples: {cfg.num_samples} asked, data.train_sources give "
-                f"{len(wanted)} usable prompts ({stats['skipped_too_long']} longer than "
-                f"prepare.max_prompt_tokens, {stats['skipped_duplicate']} duplicates, "
-                f"{stats['skipped_eval_overlap']} in the eval set)"
-            )
-        candidates = iter(wanted)
+    stats = dict.fromkeys(keys, 0)  # counted as the candidates are drawn
+    held_out, candidates = _training_candidates(params, target, eval_prompts, stats)
     events = EventLog(paths.events)
     fingerprint = _fingerprint(params, paths.target)
-    entries: list[dict] = []
-    sample_id = tokens = reused_shards = gen_tokens = 0
-    gen_seconds = 0.0
-    target_n = cfg.num_samples or 10**12
     bar = progress_bar(total=cfg.num_samples, desc="prepare", unit="sample", enabled=progress)
     setup = GeneratorSetup(
         target=target,
@@ -237,72 +215,183 @@ def prepare_stage(
         log=paths.vllm_log,
     )
     with open_generator(cfg.engine, setup) as generate:
-        while sample_id < target_n and (cfg.token_budget is None or tokens < cfg.token_budget):
-            want = min(cfg.shard_size, target_n - sample_id)
-            batch = [c for _, c in zip(range(want), candidates, strict=False)]
-            if not batch:
-                break
-            index = len(entries)
-            path = paths.shards / shard_io.shard_name(index)
-            existing = _finished_shard(path, batch, sample_id, fingerprint)
-            if existing is not None:
-                entries.append(existing)
-                reused_shards += 1
-            else:
-                t_gen = time.perf_counter()
-                responses, n_regen = _responses(params, target, generate, batch, index)
-                gen_seconds += time.perf_counter() - t_gen
-                samples = []
-                for offset, (c, response) in enumerate(zip(batch, responses, strict=True)):
-                    ids = torch.tensor(c.prompt_ids + response, dtype=torch.int32)
-                    mask = torch.zeros(ids.numel(), dtype=torch.bool)
-                    mask[len(c.prompt_ids) :] = True
-                    samples.append(shard_io.TokenSample(sample_id + offset, c.prompt.id, ids, mask))
-                    gen_tokens += len(response)
-                entry = shard_io.write_shard(
-                    path, samples, regenerated=n_regen, fingerprint=fingerprint
-                )
-                entries.append(entry)
-            sample_id += entries[-1]["samples"]
-            tokens += entries[-1]["tokens"]
-            bar.update(entries[-1]["samples"])
-            events.log(
-                index,
-                samples=sample_id,
-                tokens=tokens,
-                gen_tok_s=gen_tokens / gen_seconds if gen_tokens else 0.0,
-            )
+        written = _write_shards(
+            params,
+            target,
+            generate,
+            candidates,
+            folder=paths.shards,
+            fingerprint=fingerprint,
+            bar=bar,
+            events=events,
+        )
     bar.close()
-    if not entries:
+    if not written.entries:
         raise DataError("data.train_sources: no usable training prompts")
-    _drop_stale_shards(paths.shards, len(entries))
-    manifest = shard_io.write_manifest(
-        paths.shards,
-        entries,
-        {
-            "target": read_manifest(paths.target).get("source"),
-            "eval_prompts": len(eval_prompts),
-            "chat_template": "target",
-            # The train stage checks it holds out exactly these (train.eval_samples).
-            "validation_samples": len(held_out) if held_out else None,
-            "validation_sources": [c.source for c in held_out] if held_out else None,
-        },
-    )
+    _drop_stale_shards(paths.shards, len(written.entries))
+    manifest = _write_shard_manifest(paths, written.entries, len(eval_prompts), held_out)
     if paths.lengths_plot:
         _write_lengths(paths.lengths_plot, paths.shards)
+    gen_tokens, gen_seconds = written.gen_tokens, written.gen_seconds
     return {
         "num_samples": manifest["num_samples"],
         "num_tokens": manifest["num_tokens"],
         "response_tokens": manifest["response_tokens"],
         "regenerated": manifest["regenerated"],
         "kept_from_dataset": manifest["num_samples"] - manifest["regenerated"],
-        "reused_shards": reused_shards,
+        "reused_shards": written.reused_shards,
         "eval_prompts": len(eval_prompts),
         **stats,
         # None with the `extract` generator: the extract stage answers, and measures it.
         "gen_tok_s": round(gen_tokens / gen_seconds, 2) if gen_tokens else None,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
+
+
+def _training_candidates(
+    params: Params, target: Target, eval_prompts: list[Prompt], stats: dict
+) -> tuple[list[_Candidate], Iterator[_Candidate]]:
+    """The validation split, and the prompts to shard: the split first, then the training
+    sources' prompts, none of them an evaluation or validation prompt."""
+    banned = dict.fromkeys((p.content_hash for p in eval_prompts), "skipped_eval_overlap")
+    held_out = _validation_split(params, target, banned, stats)
+    banned.update(dict.fromkeys((c.prompt.content_hash for c in held_out), "skipped_validation"))
+    data = params.data
+    to_train = _mixed_candidates(
+        params, target, data.train_sources, data.train_weights, "data.train_sources", banned, stats
+    )
+    candidates = chain(held_out, to_train)
+    if params.prepare.num_samples and params.prepare.token_budget is None:
+        candidates = _drawn_up_front(params, candidates, stats)
+    return held_out, candidates
+
+
+def _drawn_up_front(
+    params: Params, candidates: Iterator[_Candidate], stats: dict
+) -> Iterator[_Candidate]:
+    """The first `prepare.num_samples` candidates, or a DataError if there are fewer."""
+    cfg = params.prepare
+    # Count before generating: a shortfall found after hours of answers would waste them.
+    wanted = list(islice(candidates, cfg.num_samples))
+    if len(wanted) < cfg.num_samples:
+        raise DataError(
+            f"prepare.num_samples: {cfg.num_samples} asked, data.train_sources give "
+            f"{len(wanted)} usable prompts ({stats['skipped_too_long']} longer than "
+            f"prepare.max_prompt_tokens, {stats['skipped_duplicate']} duplicates, "
+            f"{stats['skipped_eval_overlap']} in the eval set)"
+        )
+    return iter(wanted)
+
+
+@dataclass
+class _WrittenShards:
+    entries: list[dict] = field(default_factory=list)  # the manifest's, in shard order
+    reused_shards: int = 0  # finished by an earlier run
+    gen_tokens: int = 0  # response tokens of the shards this run wrote
+    gen_seconds: float = 0.0
+
+
+def _write_shards(
+    params: Params,
+    target: Target,
+    generate: GenerateFn,
+    candidates: Iterator[_Candidate],
+    *,
+    folder: Path,
+    fingerprint: str,
+    bar: Any,
+    events: EventLog,
+) -> _WrittenShards:
+    """Shard by shard until `prepare.num_samples` or `prepare.token_budget` is reached or the
+    candidates run out; a shard an earlier run finished for the same batch is kept."""
+    cfg = params.prepare
+    written = _WrittenShards()
+    sample_id = tokens = 0
+    target_n = cfg.num_samples or 10**12
+    while sample_id < target_n and (cfg.token_budget is None or tokens < cfg.token_budget):
+        want = min(cfg.shard_size, target_n - sample_id)
+        batch = [c for _, c in zip(range(want), candidates, strict=False)]
+        if not batch:
+            break
+        index = len(written.entries)
+        path = folder / shard_io.shard_name(index)
+        entry = _finished_shard(path, batch, sample_id, fingerprint)
+        if entry is not None:
+            written.reused_shards += 1
+        else:
+            entry = _generate_shard(
+                params,
+                target,
+                generate,
+                batch,
+                path=path,
+                index=index,
+                first_id=sample_id,
+                fingerprint=fingerprint,
+                written=written,
+            )
+        written.entries.append(entry)
+        sample_id += entry["samples"]
+        tokens += entry["tokens"]
+        bar.update(entry["samples"])
+        gen_tokens, gen_seconds = written.gen_tokens, written.gen_seconds
+        events.log(
+            index,
+            samples=sample_id,
+            tokens=tokens,
+            gen_tok_s=gen_tokens / gen_seconds if gen_tokens else 0.0,
+        )
+    return written
+
+
+def _generate_shard(
+    params: Params,
+    target: Target,
+    generate: GenerateFn,
+    batch: list[_Candidate],
+    *,
+    path: Path,
+    index: int,
+    first_id: int,
+    fingerprint: str,
+    written: _WrittenShards,
+) -> dict:
+    """Answer `batch` and write it as shard `index`; return its manifest entry. The answers'
+    tokens and the generation's seconds add to `written`."""
+    t_gen = time.perf_counter()
+    responses, n_regen = _responses(params, target, generate, batch, index)
+    written.gen_seconds += time.perf_counter() - t_gen
+    samples = []
+    for offset, (c, response) in enumerate(zip(batch, responses, strict=True)):
+        samples.append(_token_sample(first_id + offset, c, response))
+        written.gen_tokens += len(response)
+    return shard_io.write_shard(path, samples, regenerated=n_regen, fingerprint=fingerprint)
+
+
+def _token_sample(sample_id: int, c: _Candidate, response: list[int]) -> shard_io.TokenSample:
+    """Prompt and response as one sequence; the loss mask covers the response tokens only."""
+    ids = torch.tensor(c.prompt_ids + response, dtype=torch.int32)
+    mask = torch.zeros(ids.numel(), dtype=torch.bool)
+    mask[len(c.prompt_ids) :] = True
+    return shard_io.TokenSample(sample_id, c.prompt.id, ids, mask)
+
+
+def _write_shard_manifest(
+    paths: PreparePaths, entries: list[dict], eval_prompts: int, held_out: list[_Candidate]
+) -> dict:
+    """The token shards' manifest: the shards' entries and where their prompts came from."""
+    return shard_io.write_manifest(
+        paths.shards,
+        entries,
+        {
+            "target": read_manifest(paths.target).get("source"),
+            "eval_prompts": eval_prompts,
+            "chat_template": "target",
+            # The train stage checks it holds out exactly these (train.eval_samples).
+            "validation_samples": len(held_out) if held_out else None,
+            "validation_sources": [c.source for c in held_out] if held_out else None,
+        },
+    )
 
 
 def _write_lengths(path: Path, folder: Path) -> None:

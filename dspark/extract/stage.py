@@ -29,8 +29,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dspark.config import Params
 from dspark.data.shards import read_manifest as read_token_manifest
@@ -39,8 +40,9 @@ from dspark.extract.capture import resolve_aux_layers
 from dspark.extract.content import fingerprints, sample_content
 from dspark.extract.producer import ProducerConfig
 from dspark.infra import netns
-from dspark.infra.plan import consumer_host, trainer_node
+from dspark.infra.plan import Producer, consumer_host, trainer_node
 from dspark.infra.plan import producers as place_producers
+from dspark.infra.spec import ClusterSpec
 from dspark.infra.spec import resolve as resolve_spec
 from dspark.metrics import EventLog
 from dspark.procs import stop_processes
@@ -48,7 +50,7 @@ from dspark.progress import bar as progress_bar
 from dspark.records import fingerprint
 from dspark.schema import SCHEMA_VERSION, Sample
 from dspark.stopping import exit_on_sigterm
-from dspark.transport.control import Coordinator
+from dspark.transport.control import Coordinator, StreamStats
 from dspark.transport.files import HiddenShardWriter
 from dspark.transport.master import MooncakeMaster
 from dspark.transport.stores import FileStore, MooncakeStore, PayloadStore
@@ -125,12 +127,7 @@ def open_stream(
         os.environ.setdefault(key, value)
     aux = resolve_aux_layers(x.aux_layers, _num_layers(target_dir))
     spec = resolve_spec(params.provision.spec)
-    trainer = trainer_node(spec)
-    if trainer.netns and netns.current() != trainer.netns:
-        raise ResourceError(
-            f"provision.spec: the consumer belongs on node {trainer.name} (namespace "
-            f"{trainer.netns}); run the stage through `dspark`, which moves there"
-        )
+    _require_consumer_node(spec)
     host = consumer_host(params)  # the consumer side: coordinators and the master
     run_id = run_id or new_run_id()
     local = 1 if peers else x.consumers  # consumers in this process
@@ -139,72 +136,139 @@ def open_stream(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="dspark-stream-", dir=workdir))
         )
         credits, per_producer = params.stream_credits(len(sample_ids))
-        coordinators = [
-            Coordinator(
-                rank_ids(sample_ids, rank, local),
-                consumed=consumed,
-                host=host,
-                port=x.control_port + rank if x.control_port else 0,
-                max_in_flight=credits,
-                per_producer=per_producer,
-                heartbeat_timeout=x.heartbeat_timeout,
-                run_id=run_id,
+        coordinators = _open_coordinators(
+            stack,
+            params,
+            sample_ids,
+            consumed=consumed,
+            host=host,
+            local=local,
+            max_in_flight=credits,
+            per_producer=per_producer,
+            run_id=run_id,
+        )
+        master, store = _open_store(stack, params, host, scratch)
+        stream = dict(  # what every producer's config shares
+            coordinators=[*(c.address for c in coordinators), *peers],
+            run_id=run_id,
+            target_dir=str(target_dir),
+            shards_dir=str(shards_dir),
+            aux_layers=aux,
+            master=master.address if master else "",
+            files_dir=str(scratch / "payloads"),
+            rows=per_producer or x.decode_rows,  # no more rows than it will get samples
+            threads=max(1, (os.cpu_count() or 1) // x.workers),
+        )
+        producers = [
+            _start_producer(
+                slot,
+                _producer_config(params, slot, stream, producer_overrides),
+                scratch,
             )
-            for rank in range(local)
+            for slot in place_producers(spec, x.workers)
         ]
-        for c in coordinators:
-            stack.callback(c.close)
-        if x.transport == "mooncake":
-            master = stack.enter_context(MooncakeMaster.start(host, log=scratch / "master.log"))
-            store: PayloadStore = MooncakeStore(
-                master.address, host=host, segment_bytes=0, buffer_bytes=x.buffer_mb << 20
-            )
-        else:
-            master = None
-            store = FileStore(scratch / "payloads")
-        threads = max(1, (os.cpu_count() or 1) // x.workers)
-        producers = []
-        for slot in place_producers(spec, x.workers):
-            i = slot.index
-            cfg = ProducerConfig(
-                name=f"producer-{i}",
-                coordinators=[*(c.address for c in coordinators), *peers],
-                run_id=run_id,
-                target_dir=str(target_dir),
-                shards_dir=str(shards_dir),
-                aux_layers=aux,
-                wire_dtype=x.wire_dtype,
-                topk=x.target_topk,
-                store=x.transport,
-                master=master.address if master else "",
-                files_dir=str(scratch / "payloads"),
-                host=slot.address or x.host,
-                segment_bytes=x.segment_mb << 20,
-                buffer_bytes=16 << 20,
-                threads=threads,
-                max_prompt_tokens=params.prepare.max_prompt_tokens,
-                max_new_tokens=params.prepare.max_new_tokens,
-                rows=per_producer or x.decode_rows,  # no more rows than it will get samples
-                **(producer_overrides(i) if producer_overrides else {}),
-            )
-            path = scratch / f"producer-{i}.json"
-            cfg.dump(path)
-            log = open(scratch / f"producer-{i}.log", "w")  # noqa: SIM115 - child owns it
-            producers.append(
-                subprocess.Popen(
-                    slot.command([sys.executable, "-m", "dspark.extract.producer", str(path)]),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ},
-                    # Out of the caller's process group: a Ctrl-C or a cancelled flow run
-                    # signals the group, and the trainer still needs the stream to finish its
-                    # step and checkpoint. It stops them on exit; if it dies instead, they
-                    # give up on its coordinator after `reconnect_for`.
-                    start_new_session=True,
-                )
-            )
         stack.callback(_stop_all, coordinators, producers)
         yield StreamSetup(coordinators, store, producers, run_id, master)
+
+
+def _require_consumer_node(spec: ClusterSpec) -> None:
+    """The consumer runs on the spec's training node: inside its network namespace, if any."""
+    trainer = trainer_node(spec)
+    if trainer.netns and netns.current() != trainer.netns:
+        raise ResourceError(
+            f"provision.spec: the consumer belongs on node {trainer.name} (namespace "
+            f"{trainer.netns}); run the stage through `dspark`, which moves there"
+        )
+
+
+def _open_coordinators(
+    stack: ExitStack,
+    params: Params,
+    sample_ids: list[int],
+    *,
+    consumed: set[int] | None,
+    host: str,
+    local: int,
+    max_in_flight: int,
+    per_producer: int | None,
+    run_id: str,
+) -> list[Coordinator]:
+    """One coordinator per consumer in this process, each expecting its rank's ids; `stack`
+    closes them."""
+    x = params.extract
+    coordinators = [
+        Coordinator(
+            rank_ids(sample_ids, rank, local),
+            consumed=consumed,
+            host=host,
+            port=x.control_port + rank if x.control_port else 0,
+            max_in_flight=max_in_flight,
+            per_producer=per_producer,
+            heartbeat_timeout=x.heartbeat_timeout,
+            run_id=run_id,
+        )
+        for rank in range(local)
+    ]
+    for c in coordinators:
+        stack.callback(c.close)
+    return coordinators
+
+
+def _open_store(
+    stack: ExitStack, params: Params, host: str, scratch: Path
+) -> tuple[MooncakeMaster | None, PayloadStore]:
+    """The payload store `extract.transport` names, and its master if it has one (`stack` stops
+    it)."""
+    x = params.extract
+    if x.transport == "mooncake":
+        master = stack.enter_context(MooncakeMaster.start(host, log=scratch / "master.log"))
+        store = MooncakeStore(
+            master.address, host=host, segment_bytes=0, buffer_bytes=x.buffer_mb << 20
+        )
+        return master, store
+    return None, FileStore(scratch / "payloads")
+
+
+def _producer_config(
+    params: Params,
+    slot: Producer,
+    stream: dict,
+    overrides: Callable[[int], dict] | None,
+) -> ProducerConfig:
+    """Producer `slot`'s config: what the stream gives every producer, its own name and host,
+    the rest from params. A test override of a key set here is a TypeError (two values)."""
+    x, i = params.extract, slot.index
+    return ProducerConfig(
+        name=f"producer-{i}",
+        wire_dtype=x.wire_dtype,
+        topk=x.target_topk,
+        store=x.transport,
+        host=slot.address or x.host,
+        segment_bytes=x.segment_mb << 20,
+        buffer_bytes=16 << 20,
+        max_prompt_tokens=params.prepare.max_prompt_tokens,
+        max_new_tokens=params.prepare.max_new_tokens,
+        **stream,
+        **(overrides(i) if overrides else {}),
+    )
+
+
+def _start_producer(slot: Producer, cfg: ProducerConfig, scratch: Path) -> subprocess.Popen:
+    """Producer `slot` as a child process, its config and log in `scratch`."""
+    path = scratch / f"producer-{slot.index}.json"
+    cfg.dump(path)
+    log = open(scratch / f"producer-{slot.index}.log", "w")  # noqa: SIM115 - child owns it
+    return subprocess.Popen(
+        slot.command([sys.executable, "-m", "dspark.extract.producer", str(path)]),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ},
+        # Out of the caller's process group: a Ctrl-C or a cancelled flow run
+        # signals the group, and the trainer still needs the stream to finish its
+        # step and checkpoint. It stops them on exit; if it dies instead, they
+        # give up on its coordinator after `reconnect_for`.
+        start_new_session=True,
+    )
 
 
 def _stop_all(coordinators: list[Coordinator], procs: list[subprocess.Popen]) -> None:
@@ -238,6 +302,51 @@ def resume_fingerprint(params: Params, target_dir: Path, shards_dir: Path) -> st
     return fingerprint(basis, files, ())
 
 
+@dataclass
+class _Received:
+    """What the consumers' threads hand over, under one lock: each sample goes to the shard
+    writer, the counts, the progress bar, the event log and `on_sample`."""
+
+    writer: HiddenShardWriter
+    bar: Any  # dspark.progress.bar's
+    log: EventLog
+    t0: float
+    on_sample: Callable[[Sample], None] | None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sample_ids: list[int] = field(default_factory=list)
+    tokens: int = 0  # this run's
+    first_s: float | None = None  # start-up (the master, the targets loading), first answers
+    errors: list[BaseException] = field(default_factory=list)
+
+    def drain(self, consumer: StreamConsumer) -> None:
+        try:
+            for sample in consumer:
+                with self.lock:
+                    if self.first_s is None:
+                        self.first_s = time.perf_counter() - self.t0
+                    self.writer.add(sample, sample_content(sample))
+                    self.tokens += sample.num_tokens
+                    self.sample_ids.append(sample.sample_id)
+                    if self.on_sample:
+                        self.on_sample(sample)
+                    self.bar.update(1)
+                    n = len(self.sample_ids)
+                    self.log.log(n, samples=n, tokens=self.tokens)
+        except BaseException as e:  # re-raised on the calling thread
+            self.errors.append(e)
+
+
+def _drain_in_threads(consumers: list[StreamConsumer], received: _Received) -> None:
+    """Each consumer drains its rank's share in a thread; the first error is raised here."""
+    threads = [threading.Thread(target=received.drain, args=(c,)) for c in consumers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if received.errors:
+        raise received.errors[0]
+
+
 def extract_stage(
     params: Params,
     *,
@@ -261,34 +370,12 @@ def extract_stage(
     )
     resumed = writer.resumed & set(ids)
     log = EventLog(events)
-    lock = threading.Lock()
     bar = progress_bar(
         total=len(ids), initial=len(resumed), desc="extract", unit="sample", enabled=progress
     )
-    received: list[int] = []
-    tokens = 0  # this run's
-    first_s: float | None = None  # start-up (the master, the targets loading), first answers
-    errors: list[BaseException] = []
-
-    def drain(consumer: StreamConsumer) -> None:
-        nonlocal tokens, first_s
-        try:
-            for sample in consumer:
-                with lock:
-                    if first_s is None:
-                        first_s = time.perf_counter() - t0
-                    writer.add(sample, sample_content(sample))
-                    tokens += sample.num_tokens
-                    received.append(sample.sample_id)
-                    if on_sample:
-                        on_sample(sample)
-                    bar.update(1)
-                    log.log(len(received), samples=len(received), tokens=tokens)
-        except BaseException as e:  # re-raised on the calling thread
-            errors.append(e)
-
+    received = _Received(writer, bar, log, t0, on_sample)
     consumers: list[StreamConsumer] = []
-    stats = []
+    stats: list[StreamStats] = []
     # SIGTERM unwinds like Ctrl-C: the producers sit in sessions of their own (so that the
     # trainer can outlive a group signal), and leaving this block is what stops them.
     with ExitStack() as stack:
@@ -305,44 +392,72 @@ def extract_stage(
                 )
             )
             consumers = st.consumers(fetch_timeout=x.fetch_timeout, idle_timeout=x.idle_timeout)
-            threads = [threading.Thread(target=drain, args=(c,)) for c in consumers]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if errors:
-                raise errors[0]
+            _drain_in_threads(consumers, received)
             stats = [c.stats for c in st.coordinators]
         bar.close()
     wall = time.perf_counter() - t0
-    bytes_received = sum(c.bytes_received for c in consumers)
     attempts = writer.all_attempts()
-    doc = writer.close(
-        {
-            "transport": x.transport,
-            "mode": x.mode,
-            "wire_dtype": x.wire_dtype,
-            "aux_layers": resolve_aux_layers(x.aux_layers, _num_layers(target_dir)),
-        }
+    doc = writer.close(_how_extracted(params, target_dir))
+    return _stage_metrics(
+        params,
+        ids=ids,
+        resumed=resumed,
+        received=received,
+        stats=stats,
+        consumers=consumers,
+        attempts=attempts,
+        samples=doc["samples"],
+        wall=wall,
     )
+
+
+def _how_extracted(params: Params, target_dir: Path) -> dict:
+    """The hidden-state manifest's record of how its states were captured and sent."""
+    x = params.extract
+    return {
+        "transport": x.transport,
+        "mode": x.mode,
+        "wire_dtype": x.wire_dtype,
+        "aux_layers": resolve_aux_layers(x.aux_layers, _num_layers(target_dir)),
+    }
+
+
+def _stage_metrics(
+    params: Params,
+    *,
+    ids: list[int],
+    resumed: set[int],
+    received: _Received,
+    stats: list[StreamStats],
+    consumers: list[StreamConsumer],
+    attempts: list[dict],
+    samples: list[dict],
+    wall: float,
+) -> dict:
+    """The stage's metrics: delivery counts, the stream's repairs, throughput, and what the
+    output holds. `samples` are the output's sample entries, resumed ones included."""
+    x = params.extract
+    got = received.sample_ids
+    tokens = received.tokens
+    bytes_received = sum(c.bytes_received for c in consumers)
     return {
         "transport": x.transport,
         "mode": x.mode,
         "workers": x.workers,
         "consumers": x.consumers,
         "samples_expected": len(ids),
-        "samples_received": len(received),
+        "samples_received": len(got),
         "resumed_samples": len(resumed),  # kept from an earlier, stopped run of the stage
-        "lost": len(set(ids) - set(received) - resumed),
-        "duplicated": len(received) - len(set(received)),
+        "lost": len(set(ids) - set(got) - resumed),
+        "duplicated": len(got) - len(set(got)),
         "duplicates_dropped": sum(s.duplicates_dropped for s in stats),
         "reassigned": sum(s.reassigned for s in stats),
         "resent_after_error": sum(s.resent_after_error for s in stats),
         "producers_lost": sum(s.producers_lost for s in stats),
         "stale_turned_away": sum(s.stale_turned_away for s in stats),
         # The whole output, resumed samples included; the rates below are this run's alone.
-        "tokens": sum(e["tokens"] for e in doc["samples"]),
-        "response_tokens": sum(e["response_tokens"] for e in doc["samples"]),
+        "tokens": sum(e["tokens"] for e in samples),
+        "response_tokens": sum(e["response_tokens"] for e in samples),
         "tokens_this_run": tokens,
         "attempts": len(attempts),
         "wall_s_all_attempts": round(sum(a["wall_s"] for a in attempts), 2),
@@ -351,7 +466,7 @@ def extract_stage(
         "answered_here": params.prepare.engine == "extract",
         "onpolicy_tok_s": round(tokens / wall, 1) if params.prepare.engine == "extract" else None,
         "tok_s": round(tokens / wall, 1),
-        "first_sample_s": None if first_s is None else round(first_s, 2),
+        "first_sample_s": None if received.first_s is None else round(received.first_s, 2),
         "bytes_received": bytes_received,
         "mb_per_s": round(bytes_received / 1e6 / wall, 2),
         "consumer_wait_fraction": round(
@@ -359,5 +474,5 @@ def extract_stage(
         ),
         "wall_s": round(wall, 2),
         # What was extracted, apart from how: equal fingerprints, equal data.
-        "content": fingerprints(doc["samples"]),
+        "content": fingerprints(samples),
     }
