@@ -403,6 +403,19 @@ KlWeight = Annotated[
 ]
 
 
+# The block drafts' output head starts as the target's lm_head rows, which SmolLM2 ties to its
+# input embedding: a slot whose input is the anchor's embedding scores the anchor itself high.
+# The slot-0 sweep's plain DSpark proposed the anchor 2.9x as often as the target's greedy token
+# is the anchor (3.3% against 1.1%: metrics/sweeps/slot0.csv, excess_anchor); this is the lever.
+TrainLmHead = Annotated[
+    bool,
+    Field(
+        description="train the draft's copy of the target's lm_head rows (false: frozen, as "
+        "speculators and DeepSpec keep it); the export carries the trained rows either way"
+    ),
+]
+
+
 def check_heads(markov_rank: int, confidence_head: bool, confidence_with_markov: bool) -> None:
     """DSpark's heads as params set them and as a draft is built (DSparkConfig): the one place
     the rule is kept. The confidence head can see the Markov head's input only where there is a
@@ -455,6 +468,7 @@ class DSparkDraftConfig(Section):
     sample_from_anchor: SampleFromAnchor = True
     block_attention: BlockAttention = "bidirectional"
     feature_input: FeatureInput = "none"
+    train_lm_head: TrainLmHead = False
     optim: OptimConfig = OptimConfig()
 
     @model_validator(mode="after")
@@ -483,6 +497,7 @@ class DFlashDraftConfig(Section):
     sample_from_anchor: SampleFromAnchor | None = None  # None: train.dspark's
     block_attention: BlockAttention | None = None  # None: train.dspark's
     feature_input: FeatureInput | None = None  # None: train.dspark's
+    train_lm_head: TrainLmHead | None = None  # None: train.dspark's
     optim: OptimConfig = OptimConfig()
 
 

@@ -88,15 +88,27 @@ def block_fields(s: Setup) -> dict:
 
 
 def block_draft(
-    s: Setup, model_cls: type[DSparkDraft], cfg: DSparkConfig, output_scale: float, qk: float
+    s: Setup,
+    model_cls: type[DSparkDraft],
+    cfg: DSparkConfig,
+    output_scale: float,
+    qk: float,
+    train_lm_head: bool = False,
 ) -> DSparkDraft:
     """A DSpark or DFlash draft as it starts: seeded, its final norm the target's times
-    `output_scale`, its q/k norm gains at `qk`, on the stage's device."""
+    `output_scale`, its q/k norm gains at `qk`, its lm_head rows trained or frozen, on the
+    stage's device."""
+    if train_lm_head and cfg.draft_vocab_size == cfg.vocab_size:
+        raise ConfigError(
+            "train_lm_head: needs train.draft_vocab_size below the target's vocabulary (a "
+            "full-vocabulary export leaves the head out and takes the verifier's own)"
+        )
     torch.manual_seed(s.params.train.seed)
     model = model_cls(cfg, s.embed, s.rows)
     with torch.no_grad():
         model.norm.weight.copy_(s.target.norm.weight * output_scale)
     model.set_qk_gain(qk)
+    model.lm_head.requires_grad_(train_lm_head)
     return model.to(s.device)
 
 
@@ -123,7 +135,7 @@ def dspark_recipes(s: Setup) -> list[Recipe]:
         cfg = DSparkConfig(
             num_layers=d.num_layers, **block, **own, confidence_with_markov=with_markov
         )
-        model = block_draft(s, DSparkDraft, cfg, d.output_scale, d.qk_norm_init)
+        model = block_draft(s, DSparkDraft, cfg, d.output_scale, d.qk_norm_init, d.train_lm_head)
         objective = DSparkObjective(weights, d.max_anchors)
         out.append(
             Recipe(name, model, objective, DSparkObjective(weights, None), d.optim, cfg.draft_slots)
@@ -142,7 +154,9 @@ def dflash_recipes(s: Setup) -> list[Recipe]:
         if getattr(f, lever) is not None:  # the study's levers DFlash sets apart from DSpark's
             block[lever] = getattr(f, lever)
     cfg = DFlashConfig(num_layers=f.num_layers or d.num_layers, **block)
-    model = block_draft(s, DFlashDraft, cfg, f.output_scale, f.qk_norm_init or d.qk_norm_init)
+    train_head = d.train_lm_head if f.train_lm_head is None else f.train_lm_head
+    qk = f.qk_norm_init or d.qk_norm_init
+    model = block_draft(s, DFlashDraft, cfg, f.output_scale, qk, train_head)
     weights = LossWeights(ce=1.0, tv=0.0, kl=f.kl_weight, gamma=f.gamma)
     objective = DSparkObjective(weights, f.max_anchors or d.max_anchors)
     eval_objective = DSparkObjective(weights, None)

@@ -613,6 +613,46 @@ def test_the_block_study_levers_reach_both_block_drafts_and_their_measure(
     assert copy["draft_anchor"] <= copy["draft_recent"]  # the anchor is one of the recent
 
 
+def test_train_lm_head_trains_the_block_drafts_head_and_keeps_it_in_the_export(
+    smoke_params, tiny_target, samples, tmp_path
+):
+    """train.dspark.train_lm_head: DSpark's (and DFlash's, unless it sets its own) copy of the
+    target's lm_head rows learns, where by default it stays the target's; the saved draft and
+    its speculators export carry the learned rows; a full vocabulary, whose export takes the
+    verifier's head, is refused."""
+    from dspark.config import Params
+    from dspark.errors import ConfigError
+
+    tree = tiny_params(smoke_params).model_dump()
+    tree["train"]["dspark"]["train_lm_head"] = True
+    tree["train"]["dflash"]["train_lm_head"] = False
+    params = Params.model_validate(tree)
+    draft_ids = build_draft_ids(count_tokens(samples, tiny_target.vocab_size), 256)
+    runs = {r.name: r for r in build_runs(params, tiny_target, draft_ids, [0, 1], mask_id=3)}
+    batch = collate(samples[:4], TargetHead(tiny_target.norm, tiny_target.lm_head, draft_ids))
+    target_rows = tiny_target.lm_head.weight[draft_ids]
+    for name, learns in (("dspark", True), ("dflash", False), ("eagle3", False)):
+        runs[name].step(batch, 0, 10, seed=0, prep_s=0.0)
+        head = runs[name].model.lm_head.weight
+        assert torch.equal(head, target_rows) is not learns, name
+    dspark = runs["dspark"].model
+    folder = tmp_path / "dspark"
+    export_speculators(
+        dspark,
+        draft_ids,
+        folder,
+        verifier_config=tiny_target.model.config.to_dict(),
+        verifier_path="t",
+    )
+    back, _ = import_speculators(folder, tiny_target.embed, tiny_target.lm_head)
+    assert torch.equal(back.lm_head.weight, dspark.lm_head.weight)
+
+    tree["train"]["draft_vocab_size"] = None
+    every = torch.arange(tiny_target.vocab_size)
+    with pytest.raises(ConfigError, match=r"train_lm_head: needs train\.draft_vocab_size"):
+        build_runs(Params.model_validate(tree), tiny_target, every, [0, 1], mask_id=3)
+
+
 @pytest.mark.parametrize("damage", ["truncate_weights", "flip_optimizer_byte", "no_state"])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
     smoke_params, tiny_target, samples, tmp_path, caplog, damage
