@@ -159,15 +159,12 @@ def open_stream(
             rows=per_producer or x.decode_rows,  # no more rows than it will get samples
             threads=max(1, (os.cpu_count() or 1) // x.workers),
         )
-        producers = [
-            _start_producer(
-                slot,
-                _producer_config(params, slot, stream, producer_overrides),
-                scratch,
-            )
-            for slot in place_producers(spec, x.workers)
-        ]
+        producers: list[subprocess.Popen] = []
+        # Registered before the first start: a start that fails stops those already running.
         stack.callback(_stop_all, coordinators, producers)
+        for slot in place_producers(spec, x.workers):
+            cfg = _producer_config(params, slot, stream, producer_overrides)
+            producers.append(_start_producer(slot, cfg, scratch))
         yield StreamSetup(coordinators, store, producers, run_id, master)
 
 
@@ -257,18 +254,18 @@ def _start_producer(slot: Producer, cfg: ProducerConfig, scratch: Path) -> subpr
     """Producer `slot` as a child process, its config and log in `scratch`."""
     path = scratch / f"producer-{slot.index}.json"
     cfg.dump(path)
-    log = open(scratch / f"producer-{slot.index}.log", "w")  # noqa: SIM115 - child owns it
-    return subprocess.Popen(
-        slot.command([sys.executable, "-m", "dspark.extract.producer", str(path)]),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ},
-        # Out of the caller's process group: a Ctrl-C or a cancelled flow run
-        # signals the group, and the trainer still needs the stream to finish its
-        # step and checkpoint. It stops them on exit; if it dies instead, they
-        # give up on its coordinator after `reconnect_for`.
-        start_new_session=True,
-    )
+    with open(scratch / f"producer-{slot.index}.log", "w") as log:  # the child keeps its copy
+        return subprocess.Popen(
+            slot.command([sys.executable, "-m", "dspark.extract.producer", str(path)]),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ},
+            # Out of the caller's process group: a Ctrl-C or a cancelled flow run
+            # signals the group, and the trainer still needs the stream to finish its
+            # step and checkpoint. It stops them on exit; if it dies instead, they
+            # give up on its coordinator after `reconnect_for`.
+            start_new_session=True,
+        )
 
 
 def _stop_all(coordinators: list[Coordinator], procs: list[subprocess.Popen]) -> None:
