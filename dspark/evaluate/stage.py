@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import combinations
 from pathlib import Path
 
@@ -379,102 +379,30 @@ class Evaluation:
 
     def all(self, selected: dict[str, list[Prompt]], progress: bool = True) -> dict:
         cfg, methods = self.cfg, self.cfg.methods
-        nine = [c for c in selected if c not in LONG_CATEGORIES]
-        every = [p for ps in selected.values() for p in ps]
-        # The target's path of every prompt, recorded a batch at a time and replayed there by
-        # every method, n-gram window and Markov variant.
-        wants: dict[str, list[int]] = {}
-        replayed = dict(self.proposers)
-        replayed |= {_ngram_label(w): p for w, p in self.ngrams.items()}
-        replayed |= {f"dspark_{v}": p for v, p in self.ablation.items()}
-        per = {label: {c: Tally() for c in selected} for label in replayed}
-        bars = {
-            label: bar(
-                total=len(every), desc=f"evaluate: {label}", unit="prompts", enabled=progress
-            )
-            for label in ["target path", *replayed]
-        }
-        calibration = Calibration()
-        step = 0
         # Where the stage's time goes (seconds per phase), for sizing it to its budget.
         phases = {"target_paths": 0.0, "replay": 0.0, "live": 0.0, "lm_eval": 0.0}
         t0 = time.perf_counter()
-        for step, batch in enumerate(self.batches(every), start=1):
-            t = time.perf_counter()
-            wants |= self.paths(batch)
-            phases["target_paths"] += time.perf_counter() - t
-            bars["target path"].update(len(batch))
-            for label, proposer in replayed.items():
-                for p, (trace, timing) in zip(
-                    batch, self.replay(proposer, label, batch), strict=True
-                ):
-                    per[label][p.category].add(trace, timing)
-                    if label == "dspark":
-                        calibration.add(trace)
-                bars[label].update(len(batch))
-            # "<method>/..." keys land in the method's child run (tasks/repro.py).
-            touched = {p.category for p in batch}
-            taus = {f"{m}/tau_{c}": per[m][c].tau for c in touched for m in self.proposers}
-            self.log.log(step, **{k: v for k, v in taus.items() if v is not None})
-        for b in bars.values():
-            b.close()
-        self._recorded = None
+        replayed = self.replay_every_prompt(selected, phases, progress)
         phases["replay"] = time.perf_counter() - t0 - phases["target_paths"]
-
-        # The n-gram window: the best mean tau over the nine, on every prompt.
-        sweep = {w: per[_ngram_label(w)] for w in self.windows}
-        best = (
-            max(self.windows, key=lambda w: _mean(sweep[w][c].tau for c in nine) or 0.0)
-            if (self.windows)
-            else None
-        )
+        best = self.best_window(replayed.per, [c for c in selected if c not in LONG_CATEGORIES])
         chosen = {**self.proposers, **({"ngram": self.ngrams[best]} if best else {})}
         labels = {m: _ngram_label(best) if m == "ngram" else m for m in methods}
-        tallies = {c: {m: per[labels[m]][c] for m in methods} for c in selected}
-        ablation = {c: {v: per[f"dspark_{v}"][c] for v in self.ablation} for c in selected}
+        tallies = {c: {m: replayed.per[labels[m]][c] for m in methods} for c in selected}
+        ablation = {c: {v: replayed.per[f"dspark_{v}"][c] for v in self.ablation} for c in selected}
         # Every method's final tau per category, n-gram's (its best window's) included.
         taus = {f"{m}/tau_{c}": tallies[c][m].tau for c in selected for m in methods}
-        self.log.log(step + 1, **{k: v for k, v in taus.items() if v is not None})
+        self.log.log(replayed.steps + 1, **{k: v for k, v in taus.items() if v is not None})
 
-        # Live: greedy (checked against transformers and the replay) and sampled.
         t0 = time.perf_counter()
-        live = self.live_prompts(selected)
-        greedy = {m: Tally() for m in methods}
-        sampled = {c: {m: Tally() for m in methods} for c in selected}
-        agree = {"decodes": 0, "same": 0, "differ": []}
-        sampling = Sampling(cfg.temperature, cfg.top_p)
-        # `none` drafts nothing to accept or reject: sampled, its tau is 1 by construction.
-        drafting = [m for m in methods if m != "none"]
-        live_bar = bar(
-            total=len(live) * (len(methods) + len(drafting)), desc="evaluate: live",
-            unit="decodes", enabled=progress,
-        )  # fmt: skip
-        for batch in self.batches(live):
-            for m in methods:
-                got = self.decode(chosen[m], labels[m], batch, wants)
-                replays = self.replay(chosen[m], labels[m], batch)
-                for p, (trace, timing), (again, _) in zip(batch, got, replays, strict=True):
-                    greedy[m].add(trace, timing)
-                    if trace.tokens == wants[p.id]:  # a tie may take the live decode elsewhere
-                        agree["decodes"] += 1
-                        if trace.accepted == again.accepted:
-                            agree["same"] += 1
-                        else:
-                            agree["differ"].append(f"{p.id}:{m}")
-                live_bar.update(len(batch))
-            for m in drafting:
-                for p, outcome in zip(
-                    batch, self.decode(chosen[m], m, batch, sampling=sampling), strict=True
-                ):
-                    sampled[p.category][m].add(*outcome)
-                live_bar.update(len(batch))
-        live_bar.close()
-        self._prefilled = None
+        live = self.decode_live(selected, chosen, labels, replayed.wants, progress)
         phases["live"] = time.perf_counter() - t0
 
-        result = assemble(self.params, tallies, sampled, ablation, calibration, sweep, best)
-        result["overall"] = overall(tallies, greedy, methods)
-        result["replay_check"] = agree
+        sweep = {w: replayed.per[_ngram_label(w)] for w in self.windows}
+        result = assemble(
+            self.params, tallies, live.sampled, ablation, replayed.calibration, sweep, best
+        )
+        result["overall"] = overall(tallies, live.greedy, methods)
+        result["replay_check"] = live.agree
         result["lossless_mismatches"] = self.lossless["mismatches"]
         result["lossless_ties"] = self.lossless["ties"]
         result["lossless"] = self.lossless
@@ -483,7 +411,7 @@ class Evaluation:
         # The length each category decoded to: the benchmark sets a cell beside the same prompts
         # only when it served them to the same length (dspark.serve.offline).
         result["max_new_tokens"] = {c: self.cfg.max_new_tokens[c] for c in selected}
-        result["live_prompt_ids"] = [p.id for p in live]
+        result["live_prompt_ids"] = [p.id for p in live.prompts]
         result["batch_size"] = cfg.batch_size
         result["resumed_decodes"] = self.records.replayed
         if cfg.lm_eval.limit:
@@ -495,6 +423,120 @@ class Evaluation:
         result["phases_s"] = {k: round(v, 1) for k, v in phases.items()}
         result["paths_s"] = {k: round(v, 3) for k, v in self.paths_s.items()}
         return result
+
+    def replay_every_prompt(
+        self, selected: dict[str, list[Prompt]], phases: dict[str, float], progress: bool
+    ) -> ReplayTallies:
+        """The target's path of every prompt, recorded a batch at a time and replayed there by
+        every method, n-gram window and Markov variant: their tallies per category."""
+        every = [p for ps in selected.values() for p in ps]
+        proposers = dict(self.proposers)
+        proposers |= {_ngram_label(w): p for w, p in self.ngrams.items()}
+        proposers |= {f"dspark_{v}": p for v, p in self.ablation.items()}
+        out = ReplayTallies({label: {c: Tally() for c in selected} for label in proposers})
+        bars = {
+            label: bar(
+                total=len(every), desc=f"evaluate: {label}", unit="prompts", enabled=progress
+            )
+            for label in ["target path", *proposers]
+        }
+        for step, batch in enumerate(self.batches(every), start=1):
+            out.steps = step
+            t = time.perf_counter()
+            out.wants |= self.paths(batch)
+            phases["target_paths"] += time.perf_counter() - t
+            bars["target path"].update(len(batch))
+            for label, proposer in proposers.items():
+                for p, (trace, timing) in zip(
+                    batch, self.replay(proposer, label, batch), strict=True
+                ):
+                    out.per[label][p.category].add(trace, timing)
+                    if label == "dspark":
+                        out.calibration.add(trace)
+                bars[label].update(len(batch))
+            # "<method>/..." keys land in the method's child run (tasks/repro.py).
+            touched = {p.category for p in batch}
+            taus = {f"{m}/tau_{c}": out.per[m][c].tau for c in touched for m in self.proposers}
+            self.log.log(out.steps, **{k: v for k, v in taus.items() if v is not None})
+        for b in bars.values():
+            b.close()
+        self._recorded = None
+        return out
+
+    def best_window(self, per: dict[str, dict[str, Tally]], nine: list[str]):
+        """The n-gram window with the best mean tau over the nine categories, on every prompt
+        (None when n-gram is not evaluated)."""
+        if not self.windows:
+            return None
+        return max(
+            self.windows, key=lambda w: _mean(per[_ngram_label(w)][c].tau for c in nine) or 0.0
+        )
+
+    def decode_live(
+        self,
+        selected: dict[str, list[Prompt]],
+        chosen: dict,
+        labels: dict[str, str],
+        wants: dict[str, list[int]],
+        progress: bool,
+    ) -> LiveTallies:
+        """The live prompts decoded by every method: greedy (checked against transformers and
+        against the replay) and sampled."""
+        methods = self.cfg.methods
+        out = LiveTallies(
+            prompts=self.live_prompts(selected),
+            greedy={m: Tally() for m in methods},
+            sampled={c: {m: Tally() for m in methods} for c in selected},
+        )
+        sampling = Sampling(self.cfg.temperature, self.cfg.top_p)
+        # `none` drafts nothing to accept or reject: sampled, its tau is 1 by construction.
+        drafting = [m for m in methods if m != "none"]
+        live_bar = bar(
+            total=len(out.prompts) * (len(methods) + len(drafting)), desc="evaluate: live",
+            unit="decodes", enabled=progress,
+        )  # fmt: skip
+        for batch in self.batches(out.prompts):
+            for m in methods:
+                got = self.decode(chosen[m], labels[m], batch, wants)
+                replays = self.replay(chosen[m], labels[m], batch)
+                for p, (trace, timing), (again, _) in zip(batch, got, replays, strict=True):
+                    out.greedy[m].add(trace, timing)
+                    if trace.tokens == wants[p.id]:  # a tie may take the live decode elsewhere
+                        out.agree["decodes"] += 1
+                        if trace.accepted == again.accepted:
+                            out.agree["same"] += 1
+                        else:
+                            out.agree["differ"].append(f"{p.id}:{m}")
+                live_bar.update(len(batch))
+            for m in drafting:
+                for p, outcome in zip(
+                    batch, self.decode(chosen[m], m, batch, sampling=sampling), strict=True
+                ):
+                    out.sampled[p.category][m].add(*outcome)
+                live_bar.update(len(batch))
+        live_bar.close()
+        self._prefilled = None
+        return out
+
+
+@dataclass
+class ReplayTallies:
+    """Every replayed proposer's tallies: label -> category -> Tally."""
+
+    per: dict[str, dict[str, Tally]]
+    wants: dict[str, list[int]] = field(default_factory=dict)  # prompt id -> the target's path
+    calibration: Calibration = field(default_factory=Calibration)  # DSpark's confidence
+    steps: int = 0  # batches replayed (the event log's steps)
+
+
+@dataclass
+class LiveTallies:
+    """The live decodes' tallies, and how often a live greedy decode accepted as its replay."""
+
+    prompts: list[Prompt]
+    greedy: dict[str, Tally]  # method -> Tally
+    sampled: dict[str, dict[str, Tally]]  # category -> method -> Tally
+    agree: dict = field(default_factory=lambda: {"decodes": 0, "same": 0, "differ": []})
 
 
 def _shares(total: float, weights: list[int]) -> list[float]:
